@@ -1,0 +1,81 @@
+// The only file that includes pybind11: exposes hooks, handles and kernels as commtune._C.
+#include <torch/extension.h>
+
+#include <commtune/hook.h>
+#include <commtune/hooks/allreduce.h>
+#include <commtune/hooks/cast.h>
+#include <commtune/kernels/cast_scale.h>
+
+namespace py = pybind11;
+using namespace commtune;
+
+namespace {
+
+py::dict totals_to_dict(const CounterTotals& t) {
+  py::dict d;
+  d["calls"] = t.calls;
+  d["bytes_in"] = t.bytes_in;
+  d["bytes_out"] = t.bytes_out;
+  d["hook_host_us"] = t.hook_host_us;
+  d["comm_us"] = t.comm_us;
+  d["exposed_comm_us"] = t.exposed_comm_us;
+  return d;
+}
+
+py::dict snapshot_to_dict(const CounterSnapshot& s) {
+  py::dict d = totals_to_dict(s.total);
+  d["iterations"] = s.iterations;
+  py::list buckets;
+  for (const CounterTotals& b : s.buckets) {
+    buckets.append(totals_to_dict(b));
+  }
+  d["buckets"] = buckets;
+  return d;
+}
+
+template <typename H>
+void def_register(py::module_& m, const char* name) {
+  // The GIL is released so that a gloo/NCCL call inside registration cannot deadlock.
+  m.def(name, &register_hook<H>, py::arg("reducer"), py::arg("process_group"), py::arg("options"),
+        py::call_guard<py::gil_scoped_release>());
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "commtune C++/CUDA core";
+#ifdef COMMTUNE_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+
+  py::class_<HookHandle>(m, "HookHandle")
+      .def_property_readonly("name", [](const HookHandle& h) { return h.hook->name(); })
+      .def_property_readonly("iteration", [](const HookHandle& h) { return h.hook->iteration(); })
+      .def("counters",
+           [](const HookHandle& h) {
+             CounterSnapshot s;
+             {
+               py::gil_scoped_release release;  // may wait on CUDA events
+               s = h.hook->counters().snapshot();
+             }
+             return snapshot_to_dict(s);
+           })
+      .def("reset_counters", [](const HookHandle& h) { h.hook->counters().reset(); })
+      .def("state_dict", [](const HookHandle& h) { return h.hook->state_dict(); })
+      .def("load_state_dict",
+           [](const HookHandle& h, const StateDict& state) { h.hook->load_state_dict(state); });
+
+  py::class_<AllReduceHook::Options>(m, "AllReduceOptions").def(py::init<>());
+  py::class_<CastHook::Options>(m, "CastOptions")
+      .def(py::init<>())
+      .def_readwrite("dtype", &CastHook::Options::dtype);
+
+  def_register<AllReduceHook>(m, "register_allreduce");
+  def_register<CastHook>(m, "register_cast");
+
+  m.def("cast_scale", &cast_scale, py::arg("src"), py::arg("scale"), py::arg("dtype"),
+        "(src * scale) cast to dtype in one pass");
+  m.def("cast_scale_", &cast_scale_, py::arg("src"), py::arg("scale"), py::arg("out"));
+}

@@ -1,0 +1,94 @@
+#include <commtune/hook.h>
+
+#include <chrono>
+
+namespace commtune {
+
+Hook::Hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::string name)
+    : CppCommHookInterface(std::move(process_group)),
+      name_(std::move(name)),
+      counters_(std::make_shared<Counters>()) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> Hook::runHook(c10d::GradBucket& bucket) {
+  const at::Tensor& buffer = bucket.getBufferRef();
+  TORCH_CHECK(!buffer.is_sparse(),
+              "commtune.", name_, ": sparse gradients are not supported (bucket ", bucket.getIndex(),
+              "); build the model without sparse gradients (e.g. nn.Embedding(sparse=False))");
+  TORCH_CHECK(buffer.is_floating_point(), "commtune.", name_, ": gradient bucket ", bucket.getIndex(),
+              " has dtype ", buffer.scalar_type(), "; only floating-point gradients are supported");
+
+  const auto started = std::chrono::steady_clock::now();
+  const CounterTicket ticket = counters_->open(bucket.getIndex(), bucket.isLast(), buffer);
+  Launch launch;
+  try {
+    launch = communicate(bucket);
+  } catch (...) {
+    counters_->drop(ticket);
+    throw;
+  }
+  if (bucket.isLast()) {
+    ++iteration_;
+  }
+  const double host_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started).count();
+  counters_->launched(ticket, host_us, launch.bytes_out);
+
+  auto counters = counters_;
+  auto finish = std::move(launch.finish);
+  return launch.future->then(
+      [counters, ticket, finish](c10::ivalue::Future& done) -> c10::IValue {
+        if (done.hasError()) {
+          counters->drop(ticket);
+          std::rethrow_exception(done.exception_ptr());
+        }
+        const c10::IValue& value = done.value();
+        at::Tensor reduced = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+        at::Tensor result = finish ? finish(reduced) : reduced;
+        counters->close(ticket);
+        return result;
+      },
+      c10::TensorType::get());
+}
+
+StateDict Hook::state_dict() const {
+  StateDict state;
+  state["iteration"] = at::scalar_tensor(static_cast<int64_t>(iteration_), at::kLong);
+  save_state(state);
+  return state;
+}
+
+void Hook::load_state_dict(const StateDict& state) {
+  auto it = state.find("iteration");
+  TORCH_CHECK(it != state.end(), "commtune.", name_, ": state_dict has no 'iteration' entry");
+  TORCH_CHECK(it->second.numel() == 1, "commtune.", name_,
+              ": state_dict['iteration'] must hold one number, got shape ", it->second.sizes());
+  iteration_ = it->second.item<int64_t>();
+  load_state(state);
+}
+
+bool Hook::backend_is_nccl(const at::Tensor& tensor) const {
+  if (!tensor.is_cuda()) {
+    return false;
+  }
+  return process_group()->getBackend(tensor.device().type())->getBackendName() == "nccl";
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Hook::allreduce_sum(at::Tensor& tensor) const {
+  std::vector<at::Tensor> tensors{tensor};
+  return process_group()->allreduce(tensors)->getFuture();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Hook::allreduce_mean(at::Tensor& tensor) const {
+  c10d::AllreduceOptions options;
+  if (backend_is_nccl(tensor)) {
+    options.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
+    options.reduceOp.supplement_ =
+        c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(1.0 / world_size());
+  } else {
+    tensor.div_(world_size());
+  }
+  std::vector<at::Tensor> tensors{tensor};
+  return process_group()->allreduce(tensors, options)->getFuture();
+}
+
+} // namespace commtune

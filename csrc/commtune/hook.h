@@ -1,0 +1,91 @@
+#pragma once
+// The base class of every commtune communication hook.
+//
+// DDP's reducer calls runHook() once per bucket. The base class opens the
+// bucket's counter record, asks the derived hook to launch its communication
+// (communicate()), and chains one continuation that finishes the bucket
+// (decompression, if any) and closes the record. Once any hook is registered
+// the reducer no longer divides by the world size: every hook must.
+
+#include <commtune/counters.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace commtune {
+
+using StateDict = std::map<std::string, at::Tensor>;
+
+class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  Hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::string name);
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) final;
+
+  const std::string& name() const { return name_; }
+  Counters& counters() { return *counters_; }
+  // Iterations handed over so far (a bucket with isLast() closes one); kept in state_dict.
+  int64_t iteration() const { return iteration_; }
+
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& state);
+
+ protected:
+  struct Launch {
+    // Completes with the reduced payload (a tensor, or a list whose first entry it is).
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    // Turns the reduced payload into the bucket's result; empty: the payload is the result.
+    std::function<at::Tensor(const at::Tensor& reduced)> finish;
+    int64_t bytes_out;
+  };
+
+  // Launches the bucket's communication without waiting for it.
+  virtual Launch communicate(c10d::GradBucket& bucket) = 0;
+  // Hook-specific state beyond the iteration count.
+  virtual void save_state(StateDict& /*state*/) const {}
+  virtual void load_state(const StateDict& /*state*/) {}
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return state_; }
+  int world_size() const { return state_->getSize(); }
+
+  // Sum-allreduces `tensor` in place.
+  c10::intrusive_ptr<c10::ivalue::Future> allreduce_sum(at::Tensor& tensor) const;
+  // Mean-allreduces `tensor` in place. On NCCL the 1/world_size factor rides in
+  // the collective (PREMUL_SUM); elsewhere one scale pass runs first.
+  c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(at::Tensor& tensor) const;
+
+ private:
+  bool backend_is_nccl(const at::Tensor& tensor) const;
+
+  std::string name_;
+  std::shared_ptr<Counters> counters_;  // shared with continuations still in flight
+  std::atomic<int64_t> iteration_{0};
+};
+
+// Keeps the reducer, which owns the hook, alive for as long as Python holds it.
+struct HookHandle {
+  std::shared_ptr<c10d::Reducer> reducer;
+  Hook* hook;
+};
+
+// Builds a hook of type H and registers it on the reducer (once per reducer).
+template <typename H>
+HookHandle register_hook(
+    const std::shared_ptr<c10d::Reducer>& reducer,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
+    const typename H::Options& options) {
+  TORCH_CHECK(reducer, "commtune: the DDP module has no reducer");
+  TORCH_CHECK(process_group, "commtune: the DDP module has no process group");
+  auto hook = std::make_unique<H>(process_group, options);
+  Hook* raw = hook.get();
+  reducer->register_comm_hook(std::move(hook));
+  return HookHandle{reducer, raw};
+}
+
+} // namespace commtune

@@ -1,0 +1,13 @@
+#include <commtune/hooks/allreduce.h>
+
+namespace commtune {
+
+AllReduceHook::AllReduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options&)
+    : Hook(std::move(process_group), "AllReduce") {}
+
+Hook::Launch AllReduceHook::communicate(c10d::GradBucket& bucket) {
+  at::Tensor& buffer = bucket.getBufferRef();
+  return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+}
+
+} // namespace commtune

@@ -1,0 +1,115 @@
+"""Putting a commtune hook on a DDP module, and the handle that reads it back."""
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from . import stats as _stats
+from .hooks import HookConfig
+
+SUPPORTED_BACKENDS = ("gloo", "nccl")
+_HANDLE_ATTR = "_commtune_handle"
+
+
+class Handle:
+    """What `register` returns: counters and hook state of one registered hook."""
+
+    def __init__(self, native, config):
+        self._native = native
+        self.config = config
+
+    @property
+    def name(self):
+        return self._native.name
+
+    @property
+    def iteration(self):
+        """Iterations the hook has seen (kept in state_dict, not cleared by reset_stats)."""
+        return self._native.iteration
+
+    def stats(self):
+        """Counters of every finished iteration since the last reset (see README)."""
+        return _stats.from_counters(self._native.counters())
+
+    def reset_stats(self):
+        self._native.reset_counters()
+
+    def state_dict(self):
+        return dict(self._native.state_dict())
+
+    def load_state_dict(self, state_dict):
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict expects a dict, got {type(state_dict).__name__}")
+        self._native.load_state_dict(state_dict)
+
+    def __repr__(self):
+        return f"commtune.Handle({self.config!r}, iteration={self.iteration})"
+
+
+def _backend_names(process_group):
+    # "gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl".
+    spec = str(dist.get_backend(process_group))
+    return [part.split(":")[-1] for part in spec.split(",")]
+
+
+def _existing_hook(ddp):
+    if getattr(ddp, _HANDLE_ATTR, None) is not None:
+        return getattr(ddp, _HANDLE_ATTR).name
+    try:
+        return ddp._get_ddp_logging_data().get("comm_hook") or None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def register(ddp, hook):
+    """Registers `hook` (a `commtune.hooks` config) on an existing DDP module's reducer."""
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(
+            "commtune.register expects a torch.nn.parallel.DistributedDataParallel module, got "
+            f"{type(ddp).__name__}; wrap the model first, or use commtune.wrap(model, hook=...)"
+        )
+    if not isinstance(hook, HookConfig):
+        raise TypeError(
+            f"hook must be a commtune.hooks config such as commtune.hooks.AllReduce(), got {hook!r}"
+        )
+    hook.validate()
+    backends = _backend_names(ddp.process_group)
+    unsupported = [b for b in backends if b not in SUPPORTED_BACKENDS]
+    if unsupported:
+        raise ValueError(
+            f"commtune hooks support the {' and '.join(SUPPORTED_BACKENDS)} backends; this DDP "
+            f"module's process group uses {', '.join(unsupported)}"
+        )
+    existing = _existing_hook(ddp)
+    if existing:
+        raise RuntimeError(
+            f"this DDP module already has a communication hook ({existing}); a reducer takes one "
+            "hook, once: build a new DDP module to use another"
+        )
+    native = hook._register(ddp.reducer, ddp.process_group)
+    ddp.logger._set_comm_hook_name(f"commtune.{hook.name}")
+    handle = Handle(native, hook)
+    setattr(ddp, _HANDLE_ATTR, handle)
+    return handle
+
+
+def wrap(model, hook, **ddp_kwargs):
+    """Builds DistributedDataParallel(model, **ddp_kwargs) and registers `hook` on it."""
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError("commtune.wrap expects the bare model; for a DDP module use commtune.register")
+    if not isinstance(hook, HookConfig):
+        raise TypeError(
+            f"hook must be a commtune.hooks config such as commtune.hooks.AllReduce(), got {hook!r}"
+        )
+    hook.validate()  # before DDP's constructor talks to the other ranks
+    ddp = DistributedDataParallel(model, **ddp_kwargs)
+    register(ddp, hook)
+    return ddp
+
+
+def handle_of(ddp_or_handle):
+    """The Handle of a DDP module that commtune registered a hook on (or the handle itself)."""
+    if isinstance(ddp_or_handle, Handle):
+        return ddp_or_handle
+    handle = getattr(ddp_or_handle, _HANDLE_ATTR, None)
+    if handle is None:
+        raise ValueError("this module has no commtune hook: use commtune.register or commtune.wrap")
+    return handle

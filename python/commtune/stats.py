@@ -1,0 +1,47 @@
+"""Counters as a dict, and as a readable table."""
+
+COLUMNS = (
+    ("calls", "calls", "{:d}"),
+    ("bytes_in", "MB in", "{:.2f}"),
+    ("bytes_out", "MB out", "{:.2f}"),
+    ("compression_ratio", "ratio", "{:.2f}"),
+    ("hook_host_us", "host ms", "{:.3f}"),
+    ("comm_us", "comm ms", "{:.3f}"),
+    ("exposed_comm_us", "exposed ms", "{:.3f}"),
+)
+_SCALE = {"bytes_in": 1e-6, "bytes_out": 1e-6, "hook_host_us": 1e-3, "comm_us": 1e-3, "exposed_comm_us": 1e-3}
+
+
+def _with_ratio(row):
+    row["compression_ratio"] = row["bytes_in"] / row["bytes_out"] if row["bytes_out"] else 0.0
+    return row
+
+
+def from_counters(raw):
+    """Adds the derived keys to the C++ counters' dict."""
+    stats = _with_ratio(dict(raw))
+    stats["buckets"] = [_with_ratio(dict(b)) for b in raw["buckets"]]
+    return stats
+
+
+def format_table(stats, title=""):
+    """Per-bucket rows, then the total and the per-iteration average."""
+    header = ["bucket"] + [label for _, label, _ in COLUMNS]
+    rows = [[str(i)] + _cells(b) for i, b in enumerate(stats["buckets"])]
+    rows.append(["total"] + _cells(stats))
+    n = stats["iterations"]
+    if n:
+        per_iter = {k: stats[k] / n for k in ("calls", "bytes_in", "bytes_out", "hook_host_us",
+                                               "comm_us", "exposed_comm_us")}
+        per_iter["calls"] = round(per_iter["calls"])
+        rows.append(["per iter"] + _cells(_with_ratio(per_iter)))
+    widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
+    lines = [title] if title else []
+    lines.append(f"iterations: {n}")
+    lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _cells(row):
+    return [fmt.format(row[key] * _SCALE.get(key, 1)) for key, _, fmt in COLUMNS]
