@@ -52,7 +52,7 @@ def _backend_names(process_group):
 
 def _existing_hook(ddp):
     if getattr(ddp, _HANDLE_ATTR, None) is not None:
-        return getattr(ddp, _HANDLE_ATTR).name
+        return f"commtune.{getattr(ddp, _HANDLE_ATTR).name}"
     try:
         return ddp._get_ddp_logging_data().get("comm_hook") or None
     except (AttributeError, RuntimeError):
