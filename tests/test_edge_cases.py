@@ -1,0 +1,138 @@
+"""Large, NaN and Inf gradients; timeouts; counters reset; hook state round trip."""
+import torch
+from torch import nn
+
+import distributed
+
+
+def _extreme_gradients(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commtune as ct
+
+    def grads(ddp, x):
+        ddp.zero_grad()
+        ddp(x).sum().backward()
+        return ddp.module.weight.grad.clone()
+
+    def linear():
+        torch.manual_seed(0)
+        return nn.Linear(4, 3, bias=False)
+
+    out = {}
+    # |grad| = 8e4 on rank 0, over fp16's 65504 unless scaled before the cast; the mean fits.
+    big = torch.full((2, 4), 4e4 if rank == 0 else 1.0)
+    ours = ct.wrap(linear(), hook=ct.hooks.Cast(torch.float16))
+    theirs = DDP(linear())
+    theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    out["big_ours"], out["big_theirs"] = grads(ours, big), grads(theirs, big)
+    local = big.sum(0, keepdim=True).expand(3, 4)
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local.contiguous())
+    out["big_exact"] = torch.stack(parts).double().mean(0)
+
+    # NaN on one rank, Inf on another: every rank must see them, as with torch's hook.
+    bad = torch.ones(2, 4)
+    bad[0, 1] = float("nan") if rank == 0 else 1.0
+    bad[1, 2] = float("inf") if rank == world_size - 1 else 1.0
+    for name, hook in (("allreduce", ct.hooks.AllReduce()), ("bf16", ct.hooks.Cast(torch.bfloat16))):
+        out[f"bad_{name}"] = grads(ct.wrap(linear(), hook=hook), bad)
+    reference = DDP(linear())
+    reference.register_comm_hook(None, default_hooks.allreduce_hook)
+    out["bad_torch"] = grads(reference, bad)
+    return out
+
+
+def test_fp16_does_not_overflow_on_large_gradients():
+    for r in distributed.run(_extreme_gradients, 2):
+        assert torch.isinf(r["big_theirs"]).any(), "torch's fp16 hook overflows here"
+        assert torch.isfinite(r["big_ours"]).all()
+        torch.testing.assert_close(r["big_ours"].double(), r["big_exact"], rtol=2e-3, atol=0)
+
+
+def test_nan_and_inf_reach_every_rank():
+    for r in distributed.run(_extreme_gradients, 3):
+        ref = r["bad_torch"]
+        assert torch.isnan(ref).any() and torch.isinf(ref).any()
+        for name in ("bad_allreduce", "bad_bf16"):
+            assert torch.equal(torch.isnan(r[name]), torch.isnan(ref)), name
+            assert torch.equal(torch.isinf(r[name]), torch.isinf(ref)), name
+
+
+def _one_rank_stalls(rank, world_size):
+    import time
+
+    import commtune as ct
+
+    ddp = ct.wrap(nn.Linear(4, 4), hook=ct.hooks.AllReduce())
+    if rank == 1:
+        time.sleep(8)  # never joins the allreduce; outlives rank 0's 3 s timeout
+        return "stalled"
+    started = time.monotonic()
+    try:
+        ddp(torch.ones(2, 4)).sum().backward()
+    except RuntimeError as e:
+        return {"error": str(e), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def test_a_missing_rank_surfaces_as_an_error_not_a_hang():
+    r0, r1 = distributed.run(_one_rank_stalls, 2, pg_timeout_s=3, timeout_s=120)
+    assert r1 == "stalled"
+    assert r0["error"] is not None, "backward returned although rank 1 never communicated"
+    assert "timed out" in r0["error"].lower() or "timeout" in r0["error"].lower(), r0["error"]
+
+
+def _resume(rank, world_size, steps, split):
+    """Trains `steps` iterations straight, and again with a checkpoint of the hook after `split`."""
+    import commtune as ct
+    from models import batch, loss_fn, make_model
+
+    def train(ddp, opt, begin, end):
+        for step in range(begin, end):
+            opt.zero_grad()
+            loss_fn(ddp, *batch(rank, step)).backward()
+            opt.step()
+
+    def fresh():
+        ddp = ct.wrap(make_model(), hook=ct.hooks.Cast(torch.bfloat16))
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    straight, opt = fresh()
+    train(straight, opt, 0, steps)
+    first, opt = fresh()
+    train(first, opt, 0, split)
+    hook_state = ct.handle_of(first).state_dict()
+    model_state, opt_state = first.module.state_dict(), opt.state_dict()
+    resumed, opt = fresh()
+    resumed.module.load_state_dict(model_state)
+    opt.load_state_dict(opt_state)
+    ct.handle_of(resumed).load_state_dict(hook_state)
+    train(resumed, opt, split, steps)
+    resumed_params = [p.detach().clone() for p in resumed.parameters()]
+
+    handle = ct.handle_of(resumed)
+    before_reset = handle.stats()
+    handle.reset_stats()
+    after_reset = handle.stats()
+    train(resumed, opt, steps, steps + 1)
+    return {
+        "straight": [p.detach().clone() for p in straight.parameters()],
+        "resumed": resumed_params,
+        "iteration": (ct.handle_of(straight).iteration, handle.iteration),
+        "stats": (before_reset, after_reset, handle.stats()),
+    }
+
+
+def test_resume_from_hook_state_and_reset_stats():
+    steps, split = 5, 2
+    for r in distributed.run(_resume, 2, steps, split):
+        for a, b in zip(r["straight"], r["resumed"]):
+            assert torch.equal(a, b)
+        assert r["iteration"] == (steps, steps + 1)  # the resumed hook counts on from its checkpoint
+        before, after, later = r["stats"]
+        assert before["iterations"] == steps - split
+        assert after["iterations"] == 0 and after["calls"] == 0 and after["buckets"] == []
+        assert later["iterations"] == 1 and later["bytes_in"] == before["bytes_in"] // (steps - split)
