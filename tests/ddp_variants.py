@@ -58,6 +58,12 @@ def _bucket_sizes(ddp):
 def lockstep(rank, world_size, variants, steps, device="cpu"):
     import commtune as ct
 
+    if device == "cuda":
+        # Same kernels for the local reference and the DDP copies, and full fp32 arithmetic.
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
     ref = build("ddp", device)
     local = make_model(device=device)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)

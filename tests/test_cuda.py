@@ -1,0 +1,63 @@
+"""The hooks on CUDA tensors and NCCL, one rank per GPU (world size 1 on a one-GPU machine)."""
+import functools
+
+import pytest
+import torch
+
+import distributed
+from conftest import cuda_world_size, needs_cuda
+from ddp_variants import lockstep
+from test_hooks import expected_bucket_bytes, rel_error
+
+pytestmark = [needs_cuda, pytest.mark.needs_cuda]
+
+STEPS = 4
+VARIANTS = (
+    "commtune.AllReduce", "torch.allreduce_hook",
+    "commtune.Cast(fp16)", "torch.fp16_compress_hook",
+    "commtune.Cast(bf16)", "torch.bf16_compress_hook",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def results():
+    return distributed.run(lockstep, cuda_world_size(), VARIANTS, STEPS, "cuda", backend="nccl")
+
+
+def test_allreduce_on_nccl_is_the_exact_mean():
+    for r in results():
+        for step, (ours, theirs) in enumerate(zip(r["grads"]["commtune.AllReduce"],
+                                                  r["grads"]["torch.allreduce_hook"])):
+            for a, b, e in zip(ours, theirs, r["exact"][step]):
+                # PREMUL_SUM multiplies by 1/n where torch's hook divides: a rounding apart.
+                torch.testing.assert_close(a.double(), e, rtol=1e-6, atol=1e-8)
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype,ours,theirs", [
+    (torch.float16, "commtune.Cast(fp16)", "torch.fp16_compress_hook"),
+    (torch.bfloat16, "commtune.Cast(bf16)", "torch.bf16_compress_hook"),
+])
+def test_cast_on_nccl_matches_torch(dtype, ours, theirs):
+    eps = torch.finfo(dtype).eps
+    world = cuda_world_size()
+    for r in results():
+        for step, (a_step, b_step) in enumerate(zip(r["grads"][ours], r["grads"][theirs])):
+            for a, b in zip(a_step, b_step):
+                torch.testing.assert_close(a, b, rtol=2 * eps, atol=world * eps * float(b.abs().max()))
+            exact = r["exact"][step]
+            assert rel_error(a_step, exact) <= 1.05 * rel_error(b_step, exact) + 1e-7
+
+
+@pytest.mark.parametrize("name,ratio", [
+    ("commtune.AllReduce", 1.0), ("commtune.Cast(fp16)", 2.0), ("commtune.Cast(bf16)", 2.0),
+])
+def test_cuda_event_counters(name, ratio):
+    for r in results():
+        s = r["stats"][name]
+        sizes, rebuilt = r["buckets"][name]
+        assert s["iterations"] == STEPS
+        assert [b["bytes_in"] for b in s["buckets"]] == expected_bucket_bytes(sizes, rebuilt, STEPS)
+        assert s["bytes_in"] == STEPS * r["param_bytes"] == s["bytes_out"] * ratio
+        assert s["comm_us"] > 0
+        assert 0 <= s["exposed_comm_us"] <= s["comm_us"]
