@@ -4,7 +4,7 @@ from ._native import load as _load
 _C = _load()
 
 from . import hooks  # noqa: E402
-from .register import Handle, handle_of, register, wrap  # noqa: E402
+from .registration import Handle, handle_of, register, wrap  # noqa: E402
 from .stats import format_table as _format_table  # noqa: E402
 
 __version__ = "0.1.0"

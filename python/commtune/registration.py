@@ -2,7 +2,7 @@
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import stats as _stats
+from .stats import from_counters
 from .hooks import HookConfig
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
@@ -27,7 +27,7 @@ class Handle:
 
     def stats(self):
         """Counters of every finished iteration since the last reset (see README)."""
-        return _stats.from_counters(self._native.counters())
+        return from_counters(self._native.counters())
 
     def reset_stats(self):
         self._native.reset_counters()

@@ -1,0 +1,27 @@
+"""Command line: `python -m commtune demo [--iterations N] [--ranks N]`."""
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m commtune", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a small model with each hook and print the counters "
+                                       "(GPUs + NCCL when present, else 2 CPU ranks on gloo)")
+    demo.add_argument("--iterations", type=int, default=20, help="iterations per hook (default 20)")
+    demo.add_argument("--ranks", type=int, default=None,
+                      help="number of ranks (default: every GPU, or 2 CPU ranks)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        if args.iterations < 1:
+            parser.error("--iterations must be at least 1")
+        if args.ranks is not None and args.ranks < 1:
+            parser.error("--ranks must be at least 1")
+        from . import demo as demo_mod
+
+        demo_mod.main(iterations=args.iterations, world_size=args.ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Library code behind benchmarks/: shared timing, environment and results helpers."""

@@ -1,0 +1,60 @@
+"""`python -m commtune demo`: a small model trained with each hook, and its counters."""
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import hooks, launch, registration
+from .stats import format_table
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Linear(16 * 16 * 16, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+
+
+def _configs():
+    return [("plain DDP (no hook)", None), ("commtune AllReduce", hooks.AllReduce()),
+            ("commtune Cast(bf16)", hooks.Cast(torch.bfloat16)),
+            ("commtune Cast(fp16)", hooks.Cast(torch.float16))]
+
+
+def _train(rank, world_size, iterations):
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ids = [device.index] if device.type == "cuda" else None
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"commtune demo: {world_size} ranks, backend {dist.get_backend()}, device {device.type}, "
+        f"{iterations} iterations per hook")
+    # A learnable task: the label is the strongest of 10 fixed random patterns in the image.
+    patterns = torch.randn(10, 3 * 16 * 16, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1 + rank)
+    images = [torch.randn(32, 3, 16, 16, generator=g) for _ in range(8)]
+    data = [(x, (x.flatten(1) @ patterns.T).argmax(1)) for x in images]
+    for n, (label, hook) in enumerate(_configs(), 1):
+        model = _model().to(device)
+        ddp = DDP(model, device_ids=ids, bucket_cap_mb=1) if hook is None else \
+            registration.wrap(model, hook=hook, device_ids=ids, bucket_cap_mb=1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+        losses = []
+        start = time.perf_counter()
+        for i in range(iterations):
+            x, y = (t.to(device) for t in data[i % len(data)])
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        ms = (time.perf_counter() - start) / iterations * 1e3
+        say(f"\n[{n}/{len(_configs())}] {label}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {ms:.1f} ms/iteration")
+        if hook is not None:
+            say(format_table(registration.handle_of(ddp).stats()))
+        dist.barrier()
+
+
+def main(iterations=20, world_size=None):
+    launch.run_ranks(_train, args=(iterations,), world_size=world_size)
