@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-MAX_JOBS=${MAX_JOBS:-16} python -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
+MAX_JOBS=${MAX_JOBS:-16} python -m pip install -v --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
   || { tail -50 "$out/build.log"; exit 1; }
 grep '^commtune:' "$out/build.log"
 python -m pytest -q -rs tests 2>&1 | tee "$out/pytest.log" | tail -15

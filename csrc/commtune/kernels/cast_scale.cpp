@@ -6,7 +6,7 @@
 namespace commtune {
 namespace {
 
-void cast_scale_cpu_(const at::Tensor& src, float scale, at::Tensor& out) {
+void cast_scale_cpu_(const at::Tensor& src, float scale, const at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "cast_scale_src", [&] {
     using src_t = scalar_t;
     const src_t* in = src.const_data_ptr<src_t>();
@@ -23,7 +23,7 @@ void cast_scale_cpu_(const at::Tensor& src, float scale, at::Tensor& out) {
 
 } // namespace
 
-void cast_scale_(const at::Tensor& src, double scale, at::Tensor& out) {
+void cast_scale_(const at::Tensor& src, double scale, const at::Tensor& out) {
   TORCH_CHECK(src.is_floating_point() && out.is_floating_point(),
               "cast_scale_: src and out must be floating point, got ", src.scalar_type(), " and ",
               out.scalar_type());

@@ -49,7 +49,7 @@ bool aligned(const void* p, size_t bytes) {
 
 } // namespace
 
-void cast_scale_cuda_(const at::Tensor& src, float scale, at::Tensor& out) {
+void cast_scale_cuda_(const at::Tensor& src, float scale, const at::Tensor& out) {
   const int64_t n = src.numel();
   if (n == 0) {
     return;

@@ -8,7 +8,7 @@ device-to-device copy of the same bytes.
 import argparse
 import datetime
 import os
-import time
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -58,12 +58,16 @@ def timed_chunk(ddp, opt, x, y, iters):
         opt.zero_grad(set_to_none=True)
 
     def run():
+        # An event between iterations; the chunk's figure is its median iteration, so a
+        # stray slow iteration (host jitter) does not move it.
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
+        events[0].record()
+        for i in range(iters):
             step()
+            events[i + 1].record()
         torch.cuda.synchronize()
-        return (time.perf_counter() - start) / iters * 1e3
+        return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
     return step, run
 
@@ -91,7 +95,7 @@ def cast_kernel_bandwidth(device, mbytes=100, iters=50):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions (default 7)")
+    p.add_argument("--reps", type=int, default=9, help="interleaved repetitions (default 9)")
     p.add_argument("--iters", type=int, default=50, help="timed iterations per repetition")
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--bucket-mb", type=float, default=25.0)
