@@ -1,5 +1,7 @@
 #include <commtune/kernels/cast_scale.h>
 
+#include <commtune/shape.h>
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -28,7 +30,7 @@ void cast_scale_(const at::Tensor& src, double scale, const at::Tensor& out) {
               "cast_scale_: src and out must be floating point, got ", src.scalar_type(), " and ",
               out.scalar_type());
   TORCH_CHECK(src.numel() == out.numel(), "cast_scale_: src has ", src.numel(), " elements (shape ",
-              src.sizes(), ") but out has ", out.numel(), " (shape ", out.sizes(), ")");
+              shape_of(src), ") but out has ", out.numel(), " (shape ", shape_of(out), ")");
   TORCH_CHECK(src.device() == out.device(), "cast_scale_: src is on ", src.device(), " but out on ",
               out.device());
   TORCH_CHECK(src.is_contiguous() && out.is_contiguous(), "cast_scale_: src and out must be contiguous");
