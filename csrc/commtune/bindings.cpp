@@ -63,6 +63,9 @@ PYBIND11_MODULE(_C, m) {
              return snapshot_to_dict(s);
            })
       .def("reset_counters", [](const HookHandle& h) { h.hook->counters().reset(); })
+      .def_property(
+          "timing", [](const HookHandle& h) { return h.hook->counters().timing(); },
+          [](const HookHandle& h, bool on) { h.hook->counters().set_timing(on); })
       .def("state_dict", [](const HookHandle& h) { return h.hook->state_dict(); })
       .def("load_state_dict",
            [](const HookHandle& h, const StateDict& state) { h.hook->load_state_dict(state); });

@@ -38,7 +38,10 @@ double TimePoint::us_until(const TimePoint& later) const {
 }
 
 CounterTicket Counters::open(size_t bucket_index, bool is_last, const at::Tensor& buffer) {
-  TimePoint start = TimePoint::now(buffer.device());
+  std::optional<TimePoint> start;
+  if (timing_) {
+    start = TimePoint::now(buffer.device());
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   fold(/*wait=*/false);
   if (pending_.empty() || pending_.back().saw_last) {
@@ -72,7 +75,9 @@ void Counters::launched(const CounterTicket& ticket, double host_us, int64_t byt
 void Counters::close(const CounterTicket& ticket) {
   std::lock_guard<std::mutex> lock(mutex_);
   Record& r = record(ticket);
-  r.end = TimePoint::now(r.device);
+  if (r.start) {
+    r.end = TimePoint::now(r.device);
+  }
   --pending_.at(ticket.iteration - pending_.front().serial).open;
 }
 
@@ -89,8 +94,8 @@ void Counters::fold(bool wait) {
       return;  // still in flight
     }
     for (const Record& r : it.records) {
-      if (r.failed) {
-        continue;
+      if (!r.end) {
+        continue;  // failed or untimed: nothing to wait for
       }
       if (wait) {
         r.end->wait();
@@ -106,7 +111,7 @@ void Counters::fold(bool wait) {
 }
 
 void Counters::add(const Iteration& it) {
-  const TimePoint& handover = it.records[it.last_slot].start;
+  const std::optional<TimePoint>& handover = it.records[it.last_slot].start;
   double exposed_iteration = 0;
   for (const Record& r : it.records) {
     if (totals_.buckets.size() <= r.bucket) {
@@ -121,11 +126,11 @@ void Counters::add(const Iteration& it) {
     totals_.total.bytes_in += r.bytes_in;
     totals_.total.bytes_out += r.bytes_out;
     totals_.total.hook_host_us += r.host_us;
-    if (r.failed) {
+    if (!r.end) {
       continue;
     }
-    const double comm = r.start.us_until(*r.end);
-    const double exposed = std::max(0.0, handover.us_until(*r.end));
+    const double comm = r.start->us_until(*r.end);
+    const double exposed = handover ? std::max(0.0, handover->us_until(*r.end)) : 0.0;
     b.comm_us += comm;
     b.exposed_comm_us += exposed;
     totals_.total.comm_us += comm;

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -68,6 +69,9 @@ class Counters {
   CounterSnapshot snapshot();
   // Forgets the totals; iterations in flight are not counted when they finish.
   void reset();
+  // Off: no events are recorded and comm/exposed times stay zero; bytes and calls still count.
+  void set_timing(bool on) { timing_ = on; }
+  bool timing() const { return timing_; }
 
  private:
   struct Record {
@@ -76,8 +80,8 @@ class Counters {
     int64_t bytes_in;
     int64_t bytes_out = 0;
     double host_us = 0;
-    TimePoint start;
-    std::optional<TimePoint> end;
+    std::optional<TimePoint> start;  // empty when timing is off
+    std::optional<TimePoint> end;  // empty until closed, and when failed or untimed
     bool failed = false;
   };
   struct Iteration {
@@ -95,6 +99,7 @@ class Counters {
   void fold(bool wait);
   void add(const Iteration& it);
 
+  std::atomic<bool> timing_{true};
   std::mutex mutex_;
   std::deque<Iteration> pending_;
   int64_t next_serial_ = 0;

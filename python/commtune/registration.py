@@ -29,6 +29,15 @@ class Handle:
         """Counters of every finished iteration since the last reset (see README)."""
         return from_counters(self._native.counters())
 
+    @property
+    def timing(self):
+        """Whether comm_us/exposed_comm_us are measured (CUDA events or host clock); default on."""
+        return self._native.timing
+
+    @timing.setter
+    def timing(self, on):
+        self._native.timing = bool(on)
+
     def reset_stats(self):
         self._native.reset_counters()
 

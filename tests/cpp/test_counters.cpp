@@ -121,3 +121,21 @@ TEST(Counters, ThreadSafeUnderConcurrentCloses) {
 }
 
 } // namespace
+
+namespace {
+
+TEST(Counters, TimingOffCountsBytesButNoTime) {
+  Counters c;
+  c.set_timing(false);
+  iteration(c, {10, 20});
+  auto s = c.snapshot();
+  EXPECT_EQ(s.iterations, 1);
+  EXPECT_EQ(s.total.bytes_in, 30 * 4);
+  EXPECT_DOUBLE_EQ(s.total.comm_us, 0.0);
+  EXPECT_DOUBLE_EQ(s.total.exposed_comm_us, 0.0);
+  c.set_timing(true);
+  iteration(c, {10, 20});
+  EXPECT_GT(c.snapshot().total.comm_us, 0.0);
+}
+
+} // namespace
