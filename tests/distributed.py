@@ -9,6 +9,7 @@ import io
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch
@@ -55,16 +56,25 @@ def run(fn, world_size, *args, backend="gloo", timeout_s=180, pg_timeout_s=60):
         ]
         for p in procs:
             p.start()
-        values, errors = {}, []
+        values, errors, deadline = {}, [], time.monotonic() + timeout_s
         try:
-            for _ in range(world_size):
-                rank, ok, value = results.get(timeout=timeout_s)
+            while len(values) + len(errors) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=1)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead:  # a rank that crashed (a segfault, say) never reports: fail now
+                        errors += [f"rank {r} died with exit code {procs[r].exitcode}" for r in dead]
+                        break
+                    if time.monotonic() > deadline:
+                        errors.append(f"ranks {sorted(set(range(world_size)) - set(values))} "
+                                      f"gave no result in {timeout_s} s")
+                        break
+                    continue
                 if ok:
                     values[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 else:
                     errors.append(f"rank {rank}:\n{value}")
-        except queue.Empty:
-            errors.append(f"ranks {sorted(set(range(world_size)) - set(values))} gave no result in {timeout_s} s")
         finally:
             for p in procs:
                 p.join(timeout=10)

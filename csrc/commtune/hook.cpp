@@ -14,9 +14,9 @@ Hook::Hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::string nam
 c10::intrusive_ptr<c10::ivalue::Future> Hook::runHook(c10d::GradBucket& bucket) {
   const at::Tensor& buffer = bucket.getBufferRef();
   TORCH_CHECK(!buffer.is_sparse(),
-              "commtune.", name_, ": sparse gradients are not supported (bucket ", bucket.getIndex(),
+              "commtune.", name_, ": sparse gradients are not supported (bucket ", std::to_string(bucket.getIndex()),
               "); build the model without sparse gradients (e.g. nn.Embedding(sparse=False))");
-  TORCH_CHECK(buffer.is_floating_point(), "commtune.", name_, ": gradient bucket ", bucket.getIndex(),
+  TORCH_CHECK(buffer.is_floating_point(), "commtune.", name_, ": gradient bucket ", std::to_string(bucket.getIndex()),
               " has dtype ", buffer.scalar_type(), "; only floating-point gradients are supported");
 
   const auto started = std::chrono::steady_clock::now();

@@ -1,6 +1,7 @@
 #pragma once
-// Shapes for error messages, formatted here: streaming IntArrayRef into TORCH_CHECK
-// crashed the process under torch 2.11 + CUDA 13 on the GPU machine.
+// Numbers in error messages go through std::to_string, never an ostream: on the GPU machine
+// (torch 2.11, GCC 13) streaming an integer into TORCH_CHECK's message segfaults inside
+// std::ostream::_M_insert<long>, in any extension built there (a load_inline one too).
 #include <ATen/ATen.h>
 
 #include <string>

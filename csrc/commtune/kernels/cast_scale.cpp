@@ -29,10 +29,11 @@ void cast_scale_(const at::Tensor& src, double scale, const at::Tensor& out) {
   TORCH_CHECK(src.is_floating_point() && out.is_floating_point(),
               "cast_scale_: src and out must be floating point, got ", src.scalar_type(), " and ",
               out.scalar_type());
-  TORCH_CHECK(src.numel() == out.numel(), "cast_scale_: src has ", src.numel(), " elements (shape ",
-              shape_of(src), ") but out has ", out.numel(), " (shape ", shape_of(out), ")");
-  TORCH_CHECK(src.device() == out.device(), "cast_scale_: src is on ", src.device(), " but out on ",
-              out.device());
+  TORCH_CHECK(src.numel() == out.numel(), "cast_scale_: src has ", std::to_string(src.numel()),
+              " elements (shape ", shape_of(src), ") but out has ", std::to_string(out.numel()),
+              " (shape ", shape_of(out), ")");
+  TORCH_CHECK(src.device() == out.device(), "cast_scale_: src is on ", src.device().str(),
+              " but out on ", out.device().str());
   TORCH_CHECK(src.is_contiguous() && out.is_contiguous(), "cast_scale_: src and out must be contiguous");
   if (src.is_cuda()) {
 #ifdef COMMTUNE_WITH_CUDA
@@ -42,7 +43,7 @@ void cast_scale_(const at::Tensor& src, double scale, const at::Tensor& out) {
     TORCH_CHECK(false, "cast_scale_: commtune was built without CUDA; rebuild with COMMTUNE_CUDA=1");
 #endif
   }
-  TORCH_CHECK(src.is_cpu(), "cast_scale_: unsupported device ", src.device());
+  TORCH_CHECK(src.is_cpu(), "cast_scale_: unsupported device ", src.device().str());
   cast_scale_cpu_(src, static_cast<float>(scale), out);
 }
 
