@@ -93,6 +93,24 @@ def cast_kernel_bandwidth(device, mbytes=100, iters=50):
     return rows
 
 
+def profile_variants(steps, trace_dir, iters=5):
+    """Where each variant's time goes: the top CUDA kernels and host ops of each, in one file."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(trace_dir, exist_ok=True)
+    with open(os.path.join(trace_dir, "kernels.txt"), "w") as table:
+        for name, step in steps.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    step()
+                torch.cuda.synchronize()
+            table.write(f"== {name} ({iters} iterations)\n")
+            averages = prof.key_averages()
+            table.write(averages.table(sort_by="cuda_time_total", row_limit=15) + "\n")
+            table.write(averages.table(sort_by="cpu_time_total", row_limit=15) + "\n")
+    print(f"profiles written to {trace_dir}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, default=128)
@@ -101,6 +119,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--out", default="benchmarks/results/hook_overhead.json")
+    p.add_argument("--trace-dir", default=None,
+                   help="also profile 5 iterations of each variant; tables of CUDA and host time in DIR/kernels.txt")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("hook_overhead needs a CUDA GPU (it measures ResNet-50 on NCCL)")
@@ -117,7 +137,7 @@ def main(argv=None):
 
     x = torch.randn(args.batch, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
-    runners, models = {}, {}
+    runners, models, runners_steps = {}, {}, {}
     for name, hook in VARIANTS.items():
         ddp, opt = build(hook, device, args.bucket_mb)
         if name.endswith("(timing off)"):
@@ -126,6 +146,7 @@ def main(argv=None):
         for _ in range(args.warmup):
             step()
         runners[name], models[name] = run, ddp
+        runners_steps[name] = step
         say(f"built and warmed up: {name}")
     for ddp in models.values():
         if hasattr(ddp, "_commtune_handle"):
@@ -145,6 +166,8 @@ def main(argv=None):
             results[name]["counters_per_iteration"] = {
                 k: s[k] / n for k in ("calls", "bytes_in", "bytes_out", "hook_host_us", "comm_us", "exposed_comm_us")}
     kernel = cast_kernel_bandwidth(device)
+    if args.trace_dir and rank == 0:
+        profile_variants(runners_steps, args.trace_dir)
 
     bars = {}
     for ours, theirs in PAIRS.items():
