@@ -4,7 +4,9 @@
 #include <commtune/hook.h>
 #include <commtune/hooks/allreduce.h>
 #include <commtune/hooks/cast.h>
+#include <commtune/hooks/powersgd.h>
 #include <commtune/kernels/cast_scale.h>
+#include <commtune/kernels/orthogonalize.h>
 
 namespace py = pybind11;
 using namespace commtune;
@@ -75,10 +77,31 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_readwrite("dtype", &CastHook::Options::dtype);
 
+  using PowerSgdOptions = PowerSgdHook::Options;
+  py::class_<PowerSgdOptions>(m, "PowerSgdOptions")
+      .def(py::init<>())
+      .def_readwrite("rank", &PowerSgdOptions::rank)
+      .def_readwrite("start_iter", &PowerSgdOptions::start_iter)
+      .def_readwrite("min_compression_rate", &PowerSgdOptions::min_compression_rate)
+      .def_readwrite("error_feedback", &PowerSgdOptions::error_feedback)
+      .def_readwrite("warm_start", &PowerSgdOptions::warm_start)
+      .def_readwrite("orthogonalization_epsilon", &PowerSgdOptions::orthogonalization_epsilon)
+      .def_readwrite("seed", &PowerSgdOptions::seed)
+      .def_readwrite("batch_same_shape", &PowerSgdOptions::batch_same_shape);
+
   def_register<AllReduceHook>(m, "register_allreduce");
   def_register<CastHook>(m, "register_cast");
+  def_register<PowerSgdHook>(m, "register_powersgd");
 
   m.def("cast_scale", &cast_scale, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         "(src * scale) cast to dtype in one pass");
   m.def("cast_scale_", &cast_scale_, py::arg("src"), py::arg("scale"), py::arg("out"));
+  m.def("orthogonalize_", &orthogonalize_, py::arg("matrices"), py::arg("epsilon") = 0.0);
+  m.def("powersgd_torch_seeds", [](uint32_t seed, int64_t count) {
+    std::mt19937 engine(seed);
+    int64_t words = 0;
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i < count; ++i) out.push_back(PowerSgdHook::draw_torch_seed(engine, words));
+    return out;
+  }, "the torch seeds PowerSGD draws, in order (numpy RandomState(seed).randint(1e9) each)");
 }

@@ -53,4 +53,50 @@ class Cast(HookConfig):
         return _C.register_cast(reducer, process_group, options)
 
 
-__all__ = ["HookConfig", "AllReduce", "Cast"]
+
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class PowerSGD(HookConfig):
+    """PowerSGD low-rank compression with torch's powerSGD_hook semantics (see README)."""
+
+    rank: int = 1
+    start_iter: int = 1000
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+    batch_same_shape: bool = False
+    name = "PowerSGD"
+
+    def validate(self):
+        if not _is_int(self.rank) or self.rank < 1:
+            raise ValueError(f"PowerSGD: rank must be an integer >= 1, got {self.rank!r}")
+        if not _is_int(self.start_iter) or self.start_iter < 0:
+            raise ValueError(f"PowerSGD: start_iter must be an integer >= 0, got {self.start_iter!r}")
+        if not isinstance(self.min_compression_rate, (int, float)) or not self.min_compression_rate > 0:
+            raise ValueError(f"PowerSGD: min_compression_rate must be a number > 0, got {self.min_compression_rate!r}")
+        for flag in ("error_feedback", "warm_start", "batch_same_shape"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"PowerSGD: {flag} must be True or False, got {getattr(self, flag)!r}")
+        if (self.error_feedback or self.warm_start) and self.start_iter <= 1:
+            raise ValueError("PowerSGD: start_iter must be > 1 when error_feedback or warm_start is on "
+                             f"(DDP rebuilds its buckets after iteration 1), got {self.start_iter}")
+        eps = self.orthogonalization_epsilon
+        if not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"PowerSGD: orthogonalization_epsilon must be a number >= 0, got {eps!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"PowerSGD: seed must be an integer in [0, 2**32), got {self.seed!r}")
+
+    def _register(self, reducer, process_group):
+        options = _C.PowerSgdOptions()
+        for field in ("rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start",
+                      "orthogonalization_epsilon", "seed", "batch_same_shape"):
+            setattr(options, field, getattr(self, field))
+        return _C.register_powersgd(reducer, process_group, options)
+__all__ = ["HookConfig", "AllReduce", "Cast", "PowerSGD"]

@@ -1,0 +1,50 @@
+#pragma once
+// PowerSGD (Vogels et al., 2019) with the semantics of torch's powerSGD_hook: plain mean
+// allreduce before start_iter; then each bucket's matrices (gradients viewed as
+// [size(0), -1]) that pass the min-compression-rate test are sent as P = M Q and
+// Q = M^T P (each allreduced as one packed buffer), everything else as one allreduce;
+// error feedback and warm-started Q per bucket; Q's first values come from the same seeded
+// generators as torch's (numpy's legacy MT19937 picks each torch CPU seed).
+#include <commtune/hook.h>
+
+#include <random>
+#include <unordered_map>
+
+namespace commtune {
+
+class PowerSgdHook : public Hook {
+ public:
+  struct Options {
+    int64_t rank = 1;
+    int64_t start_iter = 1000;
+    double min_compression_rate = 2.0;
+    bool error_feedback = true;
+    bool warm_start = true;
+    double orthogonalization_epsilon = 0.0;
+    int64_t seed = 0;
+    bool batch_same_shape = false;
+  };
+  PowerSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options);
+
+  // What numpy.random.RandomState(seed).randint(1_000_000_000) returns, draw after draw.
+  static int64_t draw_torch_seed(std::mt19937& engine, int64_t& words_used);
+
+ protected:
+  Launch communicate(c10d::GradBucket& bucket) override;
+  void save_state(StateDict& state) const override;
+  void load_state(const StateDict& state) override;
+
+ private:
+  struct BucketState {
+    at::Tensor error;  // error feedback: what compression left out last time
+    at::Tensor p_memory;
+    at::Tensor q_memory;
+  };
+
+  Options options_;
+  std::unordered_map<size_t, BucketState> buckets_;
+  std::mt19937 engine_;
+  int64_t engine_words_ = 0;  // 32-bit words drawn, to restore the engine from a checkpoint
+};
+
+} // namespace commtune
