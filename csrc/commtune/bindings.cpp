@@ -68,6 +68,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property(
           "timing", [](const HookHandle& h) { return h.hook->counters().timing(); },
           [](const HookHandle& h, bool on) { h.hook->counters().set_timing(on); })
+      .def("set_parameters",
+           [](const HookHandle& h, const std::vector<at::Tensor>& ps) { h.hook->set_parameters(ps); })
       .def("state_dict", [](const HookHandle& h) { return h.hook->state_dict(); })
       .def("load_state_dict",
            [](const HookHandle& h, const StateDict& state) { h.hook->load_state_dict(state); });

@@ -68,6 +68,20 @@ void Hook::load_state_dict(const StateDict& state) {
   load_state(state);
 }
 
+void Hook::set_parameters(const std::vector<at::Tensor>& parameters) {
+  parameter_index_.clear();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    parameter_index_[parameters[i].unsafeGetTensorImpl()] = static_cast<int64_t>(i);
+  }
+}
+
+int64_t Hook::parameter_index(const at::Tensor& parameter) const {
+  auto it = parameter_index_.find(parameter.unsafeGetTensorImpl());
+  TORCH_CHECK(it != parameter_index_.end(), "commtune.", name_,
+              ": a bucket holds a parameter that is not in the module's parameters()");
+  return it->second;
+}
+
 bool Hook::backend_is_nccl(const at::Tensor& tensor) const {
   if (!tensor.is_cuda()) {
     return false;

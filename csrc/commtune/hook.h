@@ -17,6 +17,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 namespace commtune {
 
@@ -36,6 +38,10 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   StateDict state_dict() const;
   void load_state_dict(const StateDict& state);
 
+  // The model's parameters in a fixed order (module.parameters()): per-parameter state is
+  // saved under these indices, since DDP's bucket layout differs between runs.
+  void set_parameters(const std::vector<at::Tensor>& parameters);
+
  protected:
   struct Launch {
     // Completes with the reduced payload (a tensor, or a list whose first entry it is).
@@ -50,6 +56,9 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   // Hook-specific state beyond the iteration count.
   virtual void save_state(StateDict& /*state*/) const {}
   virtual void load_state(const StateDict& /*state*/) {}
+
+  // Index of a bucket's parameter in set_parameters' list.
+  int64_t parameter_index(const at::Tensor& parameter) const;
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return state_; }
   int world_size() const { return state_->getSize(); }
@@ -66,6 +75,7 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   std::string name_;
   std::shared_ptr<Counters> counters_;  // shared with continuations still in flight
   std::atomic<int64_t> iteration_{0};
+  std::unordered_map<const c10::TensorImpl*, int64_t> parameter_index_;
 };
 
 // Keeps the reducer, which owns the hook, alive for as long as Python holds it.

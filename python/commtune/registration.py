@@ -94,6 +94,7 @@ def register(ddp, hook):
             "hook, once: build a new DDP module to use another"
         )
     native = hook._register(ddp.reducer, ddp.process_group)
+    native.set_parameters(list(ddp.module.parameters()))
     ddp.logger._set_comm_hook_name(f"commtune.{hook.name}")
     handle = Handle(native, hook)
     setattr(ddp, _HANDLE_ATTR, handle)

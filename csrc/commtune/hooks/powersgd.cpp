@@ -14,6 +14,11 @@ struct Shape {
   bool operator<(const Shape& o) const { return rows != o.rows ? rows < o.rows : cols < o.cols; }
 };
 
+struct Member {
+  at::Tensor matrix;  // view into the bucket
+  size_t slot;  // its entry in the bucket's layout
+};
+
 // One compressed unit: a batch [b, n, m] of matrices with its P [b, n, r] and Q [b, m, r].
 struct Unit {
   at::Tensor matrices;
@@ -51,22 +56,43 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
   }
   BucketState& state = buckets_[bucket.getIndex()];
+  const std::vector<at::Tensor> grads = bucket.getGradients();
+  const std::vector<at::Tensor> params = bucket.getParameters();
+  std::vector<Slot> layout;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    layout.push_back(Slot{parameter_index(params[k]),
+                          grads[k].storage_offset() - buffer.storage_offset(), grads[k].numel()});
+  }
+  if (!same_places(layout, state.layout)) {
+    // DDP rebuilt its buckets (or a new DDP resumes): carry the state over per parameter.
+    stash(state);
+  }
+  state.layout = std::move(layout);
   at::Tensor input_copy;
   if (options_.error_feedback) {
     if (state.error.defined()) {
       buffer.add_(state.error);
     } else {
       state.error = at::zeros_like(buffer);
+      for (const Slot& slot : state.layout) {
+        auto it = restored_.find(slot.parameter);
+        if (it != restored_.end() && it->second.error.defined()) {
+          state.error.narrow(0, slot.offset, slot.numel).copy_(it->second.error.view(-1));
+          it->second.error = at::Tensor();
+        }
+      }
+      buffer.add_(state.error);
     }
     input_copy = buffer.clone();
   }
 
   // Which gradients are worth compressing, grouped by shape in order of first appearance.
   std::vector<Shape> order;
-  std::map<Shape, std::vector<at::Tensor>> groups;
+  std::map<Shape, std::vector<Member>> groups;
   std::vector<at::Tensor> uncompressed;
   int64_t p_size = 0, q_size = 0;
-  for (const at::Tensor& grad : bucket.getGradients()) {
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& grad = grads[k];
     if (grad.dim() == 0) {
       uncompressed.push_back(grad);
       continue;
@@ -79,7 +105,7 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
       if (!groups.count(shape)) {
         order.push_back(shape);
       }
-      groups[shape].push_back(matrix);
+      groups[shape].push_back(Member{matrix, k});
       p_size += n * r;
       q_size += m * r;
     } else {
@@ -87,7 +113,7 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     }
   }
 
-  const bool randomize = !options_.warm_start || !state.p_memory.defined();
+  bool randomize = !options_.warm_start || !state.q_memory.defined();
   if (randomize) {
     state.p_memory = at::empty({p_size}, buffer.options());
     state.q_memory = at::empty({q_size}, buffer.options());
@@ -95,19 +121,24 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   std::vector<Unit> units;
   int64_t p_at = 0, q_at = 0;
   for (const Shape& shape : order) {
-    std::vector<at::Tensor>& members = groups[shape];
-    std::vector<std::vector<at::Tensor>> batches;
+    std::vector<Member>& members = groups[shape];
+    std::vector<std::vector<Member>> batches;
     if (options_.batch_same_shape) {
       batches.push_back(members);
     } else {
-      for (const at::Tensor& t : members) batches.push_back({t});
+      for (const Member& t : members) batches.push_back({t});
     }
     const int64_t r = std::min({shape.rows, shape.cols, options_.rank});
-    for (std::vector<at::Tensor>& batch : batches) {
+    for (std::vector<Member>& batch : batches) {
       const int64_t b = static_cast<int64_t>(batch.size());
       Unit u;
-      u.matrices = b == 1 ? batch[0].unsqueeze(0) : at::stack(batch);
-      if (b > 1) u.sources = batch;
+      for (int64_t i = 0; i < b; ++i) {
+        Slot& slot = state.layout[batch[i].slot];
+        slot.q_offset = q_at + i * shape.cols * r;
+        slot.q_numel = shape.cols * r;
+        if (b > 1) u.sources.push_back(batch[i].matrix);
+      }
+      u.matrices = b == 1 ? batch[0].matrix.unsqueeze(0) : at::stack(u.sources);
       u.p = state.p_memory.narrow(0, p_at, b * shape.rows * r).view({b, shape.rows, r});
       u.q = state.q_memory.narrow(0, q_at, b * shape.cols * r).view({b, shape.cols, r});
       p_at += b * shape.rows * r;
@@ -116,6 +147,9 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     }
   }
 
+  if (randomize && options_.warm_start) {
+    randomize = !restore_q(state);
+  }
   if (randomize) {
     // As torch: one CPU generator per bucket, seeded by the shared numpy-style engine.
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(draw_torch_seed(engine_, engine_words_));
@@ -176,13 +210,56 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   return Launch{std::move(q_future), std::move(finish), bytes_out};
 }
 
+bool PowerSgdHook::same_places(const std::vector<Slot>& a, const std::vector<Slot>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].parameter != b[i].parameter || a[i].offset != b[i].offset) return false;
+  }
+  return true;
+}
+
+void PowerSgdHook::stash(BucketState& state) {
+  for (const Slot& slot : state.layout) {
+    Restored& r = restored_[slot.parameter];
+    if (state.error.defined()) r.error = state.error.narrow(0, slot.offset, slot.numel).clone();
+    if (state.q_memory.defined() && slot.q_offset >= 0) {
+      r.q = state.q_memory.narrow(0, slot.q_offset, slot.q_numel).clone();
+    }
+  }
+  state = BucketState{};
+}
+
+bool PowerSgdHook::restore_q(BucketState& state) {
+  for (const Slot& slot : state.layout) {
+    if (slot.q_offset < 0) continue;
+    auto it = restored_.find(slot.parameter);
+    if (it == restored_.end() || !it->second.q.defined() || it->second.q.numel() != slot.q_numel) {
+      return false;  // not every compressed parameter has its Q: start this bucket afresh
+    }
+  }
+  for (const Slot& slot : state.layout) {
+    if (slot.q_offset < 0) continue;
+    Restored& r = restored_.at(slot.parameter);
+    state.q_memory.narrow(0, slot.q_offset, slot.q_numel).copy_(r.q.view(-1));
+    r.q = at::Tensor();
+  }
+  return true;
+}
+
 void PowerSgdHook::save_state(StateDict& state) const {
   state["rng_words"] = at::scalar_tensor(engine_words_, at::kLong);
+  for (const auto& [parameter, r] : restored_) {  // loaded but not used yet: keep it
+    if (r.error.defined()) state["error." + std::to_string(parameter)] = r.error;
+    if (r.q.defined()) state["q_memory." + std::to_string(parameter)] = r.q;
+  }
   for (const auto& [index, s] : buckets_) {
-    const std::string i = std::to_string(index);
-    if (s.error.defined()) state["error." + i] = s.error;
-    if (s.p_memory.defined()) state["p_memory." + i] = s.p_memory;
-    if (s.q_memory.defined()) state["q_memory." + i] = s.q_memory;
+    for (const Slot& slot : s.layout) {
+      const std::string p = std::to_string(slot.parameter);
+      if (s.error.defined()) state["error." + p] = s.error.narrow(0, slot.offset, slot.numel).clone();
+      if (s.q_memory.defined() && slot.q_offset >= 0) {
+        state["q_memory." + p] = s.q_memory.narrow(0, slot.q_offset, slot.q_numel).clone();
+      }
+    }
   }
 }
 
@@ -193,16 +270,15 @@ void PowerSgdHook::load_state(const StateDict& state) {
   engine_words_ = words->second.item<int64_t>();
   engine_.discard(static_cast<unsigned long long>(engine_words_));
   buckets_.clear();
+  restored_.clear();
   for (const auto& [key, value] : state) {
     const auto dot = key.find('.');
-    if (dot == std::string::npos) continue;
+    if (key == "iteration" || key == "rng_words") continue;
+    TORCH_CHECK(dot != std::string::npos, "commtune.PowerSGD: unknown state_dict entry '", key, "'");
     const std::string kind = key.substr(0, dot);
-    const size_t index = std::stoul(key.substr(dot + 1));
-    BucketState& s = buckets_[index];
-    at::Tensor copy = value.clone();
-    if (kind == "error") s.error = copy;
-    else if (kind == "p_memory") s.p_memory = copy;
-    else if (kind == "q_memory") s.q_memory = copy;
+    const int64_t parameter = std::stoll(key.substr(dot + 1));
+    if (kind == "error") restored_[parameter].error = value.clone();
+    else if (kind == "q_memory") restored_[parameter].q = value.clone();
     else TORCH_CHECK(false, "commtune.PowerSGD: unknown state_dict entry '", key, "'");
   }
 }

@@ -4,7 +4,8 @@
 // [size(0), -1]) that pass the min-compression-rate test are sent as P = M Q and
 // Q = M^T P (each allreduced as one packed buffer), everything else as one allreduce;
 // error feedback and warm-started Q per bucket; Q's first values come from the same seeded
-// generators as torch's (numpy's legacy MT19937 picks each torch CPU seed).
+// generators as torch's (numpy's legacy MT19937 picks each torch CPU seed). State is saved
+// per parameter, so a run resumed under a new DDP (another bucket layout) continues exactly.
 #include <commtune/hook.h>
 
 #include <random>
@@ -35,14 +36,32 @@ class PowerSgdHook : public Hook {
   void load_state(const StateDict& state) override;
 
  private:
+  // Where one parameter's state sits in its bucket's buffers.
+  struct Slot {
+    int64_t parameter;
+    int64_t offset, numel;  // in the bucket (and error) buffer
+    int64_t q_offset = -1, q_numel = 0;  // in q_memory; -1 when sent uncompressed
+  };
   struct BucketState {
     at::Tensor error;  // error feedback: what compression left out last time
     at::Tensor p_memory;
     at::Tensor q_memory;
+    std::vector<Slot> layout;
   };
+  // Per-parameter state from load_state_dict, placed into a bucket when it first runs.
+  struct Restored {
+    at::Tensor error, q;
+  };
+
+  static bool same_places(const std::vector<Slot>& a, const std::vector<Slot>& b);
+  // Moves a bucket's state into restored_, per parameter, and empties the bucket.
+  void stash(BucketState& state);
+  // Fills a new bucket's Q from restored_ if every compressed parameter has one.
+  bool restore_q(BucketState& state);
 
   Options options_;
   std::unordered_map<size_t, BucketState> buckets_;
+  std::unordered_map<int64_t, Restored> restored_;
   std::mt19937 engine_;
   int64_t engine_words_ = 0;  // 32-bit words drawn, to restore the engine from a checkpoint
 };
