@@ -21,7 +21,8 @@ def _model():
 def _configs():
     return [("plain DDP (no hook)", None), ("commtune AllReduce", hooks.AllReduce()),
             ("commtune Cast(bf16)", hooks.Cast(torch.bfloat16)),
-            ("commtune Cast(fp16)", hooks.Cast(torch.float16))]
+            ("commtune Cast(fp16)", hooks.Cast(torch.float16)),
+            ("commtune PowerSGD(rank=2), from iteration 2", hooks.PowerSGD(rank=2, start_iter=2))]
 
 
 def _train(rank, world_size, iterations):
