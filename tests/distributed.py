@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from commtune.launch import NO_MULTICAST
+
 
 
 def _entry(fn, rank, world_size, init_file, backend, pg_timeout_s, results, args):
