@@ -102,6 +102,39 @@ def test_several_buckets_and_the_rebuild():
     assert s["bytes_out"] < s["bytes_in"]
 
 
+def _approximation_error(rank, world_size):
+    from models import batch
+
+    torch.manual_seed(0)
+    ddp = ct.wrap(PowerNet(), hook=ct.hooks.PowerSGD(rank=1, start_iter=2, approx_error_every=1))
+    handle = ct.handle_of(ddp)
+    seen = []
+    for step in range(4):
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(*batch(rank, step)[:1]), batch(rank, step)[1]).backward()
+        state = handle.state_dict()
+        params = list(ddp.parameters())
+        compressed = [int(k.split(".")[1]) for k in state if k.startswith("q_memory.")]
+        # the hook's input was result + new error (error feedback), for every compressed matrix
+        err = sum(float(state[f"error.{i}"].double().square().sum()) for i in compressed)
+        inp = sum(float((params[i].grad.reshape(-1) + state[f"error.{i}"]).double().square().sum())
+                  for i in compressed)
+        s = handle.stats()
+        seen.append((s["approximation_error"], s["approximation_error_iteration"],
+                     (err / inp) ** 0.5 if compressed else None))
+    return seen
+
+
+def test_approximation_error_is_the_error_feedback_residual():
+    for seen in distributed.run(_approximation_error, 2):
+        assert np.isnan(seen[0][0]) and np.isnan(seen[1][0])  # plain allreduce: nothing sampled
+        for step in (2, 3):
+            value, at, expected = seen[step]
+            assert at == step
+            assert value > 0  # may exceed 1: PQ^T approximates the mean over ranks, M is local
+            assert value == pytest.approx(expected, rel=1e-6)
+
+
 def test_seeds_follow_numpy_legacy_random_state():
     for seed in (0, 1, 2**32 - 1):
         rs = np.random.RandomState(seed)
@@ -117,6 +150,7 @@ def test_seeds_follow_numpy_legacy_random_state():
     (dict(orthogonalization_epsilon=-1e-8), "orthogonalization_epsilon must be a number >= 0"),
     (dict(seed=2**32), r"seed must be an integer in \[0, 2\*\*32\)"),
     (dict(warm_start="yes"), "warm_start must be True or False"),
+    (dict(approx_error_every=-1), "approx_error_every must be an integer >= 0"),
 ])
 def test_bad_settings_are_refused_before_ddp(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -58,11 +58,15 @@ PYBIND11_MODULE(_C, m) {
       .def("counters",
            [](const HookHandle& h) {
              CounterSnapshot s;
+             std::map<std::string, double> extra;
              {
                py::gil_scoped_release release;  // may wait on CUDA events
                s = h.hook->counters().snapshot();
+               extra = h.hook->extra_stats();
              }
-             return snapshot_to_dict(s);
+             py::dict d = snapshot_to_dict(s);
+             for (const auto& [key, value] : extra) d[py::str(key)] = value;
+             return d;
            })
       .def("reset_counters", [](const HookHandle& h) { h.hook->counters().reset(); })
       .def_property(
@@ -89,7 +93,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("warm_start", &PowerSgdOptions::warm_start)
       .def_readwrite("orthogonalization_epsilon", &PowerSgdOptions::orthogonalization_epsilon)
       .def_readwrite("seed", &PowerSgdOptions::seed)
-      .def_readwrite("batch_same_shape", &PowerSgdOptions::batch_same_shape);
+      .def_readwrite("batch_same_shape", &PowerSgdOptions::batch_same_shape)
+      .def_readwrite("approx_error_every", &PowerSgdOptions::approx_error_every);
 
   def_register<AllReduceHook>(m, "register_allreduce");
   def_register<CastHook>(m, "register_cast");

@@ -35,6 +35,9 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   // Iterations handed over so far (a bucket with isLast() closes one); kept in state_dict.
   int64_t iteration() const { return iteration_; }
 
+  // Hook-specific figures for stats() beyond the counters (may wait on the device).
+  virtual std::map<std::string, double> extra_stats() { return {}; }
+
   StateDict state_dict() const;
   void load_state_dict(const StateDict& state);
 

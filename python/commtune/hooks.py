@@ -72,6 +72,7 @@ class PowerSGD(HookConfig):
     orthogonalization_epsilon: float = 0.0
     seed: int = 0
     batch_same_shape: bool = False
+    approx_error_every: int = 100
     name = "PowerSGD"
 
     def validate(self):
@@ -90,13 +91,16 @@ class PowerSGD(HookConfig):
         eps = self.orthogonalization_epsilon
         if not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"PowerSGD: orthogonalization_epsilon must be a number >= 0, got {eps!r}")
+        if not _is_int(self.approx_error_every) or self.approx_error_every < 0:
+            raise ValueError("PowerSGD: approx_error_every must be an integer >= 0 (0: never), "
+                             f"got {self.approx_error_every!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ValueError(f"PowerSGD: seed must be an integer in [0, 2**32), got {self.seed!r}")
 
     def _register(self, reducer, process_group):
         options = _C.PowerSgdOptions()
         for field in ("rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start",
-                      "orthogonalization_epsilon", "seed", "batch_same_shape"):
+                      "orthogonalization_epsilon", "seed", "batch_same_shape", "approx_error_every"):
             setattr(options, field, getattr(self, field))
         return _C.register_powersgd(reducer, process_group, options)
 __all__ = ["HookConfig", "AllReduce", "Cast", "PowerSGD"]

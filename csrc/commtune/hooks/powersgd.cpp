@@ -4,6 +4,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <cmath>
+#include <limits>
 #include <map>
 
 namespace commtune {
@@ -68,6 +70,8 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     stash(state);
   }
   state.layout = std::move(layout);
+  const int64_t sampled_iteration = iteration();
+  const bool sample = options_.approx_error_every > 0 && sampled_iteration % options_.approx_error_every == 0;
   at::Tensor input_copy;
   if (options_.error_feedback) {
     if (state.error.defined()) {
@@ -83,6 +87,8 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
       }
       buffer.add_(state.error);
     }
+    input_copy = buffer.clone();
+  } else if (sample) {
     input_copy = buffer.clone();
   }
 
@@ -197,7 +203,23 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
         u.sources[i].copy_(u.matrices[i]);
       }
     }
-    if (input_copy.defined()) {
+    if (sample) {
+      // Norms stay on the device; extra_stats() reads them, so nothing waits here.
+      std::vector<at::Tensor> residual, input;
+      for (const Slot& slot : kept->layout) {
+        if (slot.q_offset < 0) continue;
+        at::Tensor m = input_copy.narrow(0, slot.offset, slot.numel);
+        residual.push_back((m - buffer.narrow(0, slot.offset, slot.numel)).square().sum());
+        input.push_back(m.square().sum());
+      }
+      if (!residual.empty()) {
+        at::Tensor pair = at::stack({at::stack(residual).sum(), at::stack(input).sum()}).to(at::kDouble);
+        std::lock_guard<std::mutex> lock(samples_mutex_);
+        at::Tensor& total = samples_[sampled_iteration];
+        total = total.defined() ? total + pair : pair;
+      }
+    }
+    if (options_.error_feedback) {
       kept->error = input_copy - buffer;
     }
     if (!warm) {
@@ -208,6 +230,23 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   };
   const int64_t bytes_out = (rest.numel() + p_size + q_size) * bytes;
   return Launch{std::move(q_future), std::move(finish), bytes_out};
+}
+
+std::map<std::string, double> PowerSgdHook::extra_stats() {
+  std::lock_guard<std::mutex> lock(samples_mutex_);
+  // The newest iteration may still have buckets in flight: report the one before it then.
+  while (samples_.size() > 2) samples_.erase(samples_.begin());
+  double value = std::numeric_limits<double>::quiet_NaN();
+  int64_t at = -1;
+  const bool newest_done = samples_.empty() || samples_.rbegin()->first < iteration();
+  for (auto it = samples_.rbegin(); it != samples_.rend(); ++it) {
+    if (it == samples_.rbegin() && !newest_done) continue;
+    at::Tensor pair = it->second.cpu();
+    value = std::sqrt(pair[0].item<double>() / pair[1].item<double>());
+    at = it->first;
+    break;
+  }
+  return {{"approximation_error", value}, {"approximation_error_iteration", static_cast<double>(at)}};
 }
 
 bool PowerSgdHook::same_places(const std::vector<Slot>& a, const std::vector<Slot>& b) {

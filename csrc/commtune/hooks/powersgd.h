@@ -8,6 +8,8 @@
 // per parameter, so a run resumed under a new DDP (another bucket layout) continues exactly.
 #include <commtune/hook.h>
 
+#include <map>
+#include <mutex>
 #include <random>
 #include <unordered_map>
 
@@ -24,6 +26,7 @@ class PowerSgdHook : public Hook {
     double orthogonalization_epsilon = 0.0;
     int64_t seed = 0;
     bool batch_same_shape = false;
+    int64_t approx_error_every = 100;  // sample ||M - PQ^T|| / ||M|| every N iterations; 0: never
   };
   PowerSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options);
 
@@ -33,6 +36,9 @@ class PowerSgdHook : public Hook {
  protected:
   Launch communicate(c10d::GradBucket& bucket) override;
   void save_state(StateDict& state) const override;
+  // approximation_error: ||M - PQ^T|| / ||M|| over the compressed matrices (M with error
+  // feedback added) of the latest sampled iteration, on this rank; NaN before the first sample.
+  std::map<std::string, double> extra_stats() override;
   void load_state(const StateDict& state) override;
 
  private:
@@ -62,6 +68,9 @@ class PowerSgdHook : public Hook {
   Options options_;
   std::unordered_map<size_t, BucketState> buckets_;
   std::unordered_map<int64_t, Restored> restored_;
+  // Sampled iterations: squared norms [residual, input] summed over buckets, on the device.
+  std::mutex samples_mutex_;
+  std::map<int64_t, at::Tensor> samples_;
   std::mt19937 engine_;
   int64_t engine_words_ = 0;  // 32-bit words drawn, to restore the engine from a checkpoint
 };
