@@ -61,3 +61,12 @@ def test_cuda_event_counters(name, ratio):
         assert s["bytes_in"] == STEPS * r["param_bytes"] == s["bytes_out"] * ratio
         assert s["comm_us"] > 0
         assert 0 <= s["exposed_comm_us"] <= s["comm_us"]
+
+
+@pytest.mark.parametrize("name", ["rank1", "rank4", "batched"])
+def test_powersgd_on_nccl_matches_torch(name):
+    from test_powersgd import SETTINGS, _both
+
+    for r in distributed.run(_both, cuda_world_size(), SETTINGS[name], "cuda", backend="nccl"):
+        for a, b in zip(r["commtune"]["params"], r["torch"]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -28,15 +28,19 @@ class PowerNet(nn.Module):
         return self.out(torch.relu(self.same_b(torch.relu(self.same_a(x))))) * self.scale
 
 
-def _train(rank, world_size, which, settings, steps=STEPS, bucket_cap_mb=25):
+def _train(rank, world_size, which, settings, steps=STEPS, bucket_cap_mb=25, device="cpu"):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from models import batch
 
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
     torch.manual_seed(0)
-    model = PowerNet()
-    kw = dict(bucket_cap_mb=bucket_cap_mb)
+    model = PowerNet().to(device)
+    kw = dict(bucket_cap_mb=bucket_cap_mb, device_ids=[rank] if device == "cuda" else None)
     if which == "commtune":
         ddp = ct.wrap(model, hook=ct.hooks.PowerSGD(**settings), **kw)
     else:
@@ -50,20 +54,20 @@ def _train(rank, world_size, which, settings, steps=STEPS, bucket_cap_mb=25):
         ddp.register_comm_hook(state, torch_psgd.powerSGD_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(steps):
-        x, y = batch(rank, step)
+        x, y = batch(rank, step, device)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-    out = {"params": [p.detach().clone() for p in ddp.parameters()]}
+    out = {"params": [p.detach().cpu().clone() for p in ddp.parameters()]}
     if which == "commtune":
         out["stats"] = ct.stats(ddp)
     return out
 
 
-def _both(rank, world_size, settings):
+def _both(rank, world_size, settings, device="cpu"):
     # One bucket per iteration: torch's hook issues its P and Q allreduces from gloo callback
     # threads, so with several buckets its collectives can interleave differently per rank.
-    return {w: _train(rank, world_size, w, settings) for w in ("commtune", "torch")}
+    return {w: _train(rank, world_size, w, settings, device=device) for w in ("commtune", "torch")}
 
 
 SETTINGS = {
