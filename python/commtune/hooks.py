@@ -103,4 +103,6 @@ class PowerSGD(HookConfig):
                       "orthogonalization_epsilon", "seed", "batch_same_shape", "approx_error_every"):
             setattr(options, field, getattr(self, field))
         return _C.register_powersgd(reducer, process_group, options)
+
+
 __all__ = ["HookConfig", "AllReduce", "Cast", "PowerSGD"]

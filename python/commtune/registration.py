@@ -68,6 +68,14 @@ def _existing_hook(ddp):
         return None
 
 
+def _check_config(hook):
+    if not isinstance(hook, HookConfig):
+        raise TypeError(
+            f"hook must be a commtune.hooks config such as commtune.hooks.AllReduce(), got {hook!r}"
+        )
+    hook.validate()
+
+
 def register(ddp, hook):
     """Registers `hook` (a `commtune.hooks` config) on an existing DDP module's reducer."""
     if not isinstance(ddp, DistributedDataParallel):
@@ -75,11 +83,7 @@ def register(ddp, hook):
             "commtune.register expects a torch.nn.parallel.DistributedDataParallel module, got "
             f"{type(ddp).__name__}; wrap the model first, or use commtune.wrap(model, hook=...)"
         )
-    if not isinstance(hook, HookConfig):
-        raise TypeError(
-            f"hook must be a commtune.hooks config such as commtune.hooks.AllReduce(), got {hook!r}"
-        )
-    hook.validate()
+    _check_config(hook)
     backends = _backend_names(ddp.process_group)
     unsupported = [b for b in backends if b not in SUPPORTED_BACKENDS]
     if unsupported:
@@ -105,11 +109,7 @@ def wrap(model, hook, **ddp_kwargs):
     """Builds DistributedDataParallel(model, **ddp_kwargs) and registers `hook` on it."""
     if isinstance(model, DistributedDataParallel):
         raise TypeError("commtune.wrap expects the bare model; for a DDP module use commtune.register")
-    if not isinstance(hook, HookConfig):
-        raise TypeError(
-            f"hook must be a commtune.hooks config such as commtune.hooks.AllReduce(), got {hook!r}"
-        )
-    hook.validate()  # before DDP's constructor talks to the other ranks
+    _check_config(hook)  # before DDP's constructor talks to the other ranks
     ddp = DistributedDataParallel(model, **ddp_kwargs)
     register(ddp, hook)
     return ddp

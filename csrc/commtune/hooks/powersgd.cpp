@@ -257,13 +257,22 @@ bool PowerSgdHook::same_places(const std::vector<Slot>& a, const std::vector<Slo
   return true;
 }
 
-void PowerSgdHook::stash(BucketState& state) {
-  for (const Slot& slot : state.layout) {
-    Restored& r = restored_[slot.parameter];
-    if (state.error.defined()) r.error = state.error.narrow(0, slot.offset, slot.numel).clone();
-    if (state.q_memory.defined() && slot.q_offset >= 0) {
-      r.q = state.q_memory.narrow(0, slot.q_offset, slot.q_numel).clone();
+std::vector<std::pair<int64_t, PowerSgdHook::Restored>> PowerSgdHook::per_parameter(const BucketState& s) {
+  std::vector<std::pair<int64_t, Restored>> out;
+  for (const Slot& slot : s.layout) {
+    Restored r;
+    if (s.error.defined()) r.error = s.error.narrow(0, slot.offset, slot.numel).clone();
+    if (s.q_memory.defined() && slot.q_offset >= 0) {
+      r.q = s.q_memory.narrow(0, slot.q_offset, slot.q_numel).clone();
     }
+    out.emplace_back(slot.parameter, std::move(r));
+  }
+  return out;
+}
+
+void PowerSgdHook::stash(BucketState& state) {
+  for (auto& [parameter, r] : per_parameter(state)) {
+    restored_[parameter] = std::move(r);
   }
   state = BucketState{};
 }
@@ -287,17 +296,16 @@ bool PowerSgdHook::restore_q(BucketState& state) {
 
 void PowerSgdHook::save_state(StateDict& state) const {
   state["rng_words"] = at::scalar_tensor(engine_words_, at::kLong);
-  for (const auto& [parameter, r] : restored_) {  // loaded but not used yet: keep it
+  auto put = [&state](int64_t parameter, const Restored& r) {
     if (r.error.defined()) state["error." + std::to_string(parameter)] = r.error;
     if (r.q.defined()) state["q_memory." + std::to_string(parameter)] = r.q;
+  };
+  for (const auto& [parameter, r] : restored_) {  // loaded but not used yet: keep it
+    put(parameter, r);
   }
   for (const auto& [index, s] : buckets_) {
-    for (const Slot& slot : s.layout) {
-      const std::string p = std::to_string(slot.parameter);
-      if (s.error.defined()) state["error." + p] = s.error.narrow(0, slot.offset, slot.numel).clone();
-      if (s.q_memory.defined() && slot.q_offset >= 0) {
-        state["q_memory." + p] = s.q_memory.narrow(0, slot.q_offset, slot.q_numel).clone();
-      }
+    for (const auto& [parameter, r] : per_parameter(s)) {
+      put(parameter, r);
     }
   }
 }

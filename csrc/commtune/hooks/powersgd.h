@@ -60,6 +60,8 @@ class PowerSgdHook : public Hook {
   };
 
   static bool same_places(const std::vector<Slot>& a, const std::vector<Slot>& b);
+  // A bucket's error and Q cut into per-parameter copies.
+  static std::vector<std::pair<int64_t, Restored>> per_parameter(const BucketState& s);
   // Moves a bucket's state into restored_, per parameter, and empties the bucket.
   void stash(BucketState& state);
   // Fills a new bucket's Q from restored_ if every compressed parameter has one.
