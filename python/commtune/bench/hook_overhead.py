@@ -9,6 +9,7 @@ import argparse
 import datetime
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -58,19 +59,24 @@ def timed_chunk(ddp, opt, x, y, iters):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    host_ms = []
+
     def run():
         # An event between iterations; the chunk's figure is its median iteration, so a
-        # stray slow iteration (host jitter) does not move it.
+        # stray slow iteration (host jitter) does not move it. The host time to issue the
+        # chunk tells whether the GPU waited for the CPU (host ms/iteration close to the GPU's).
         events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
         torch.cuda.synchronize()
+        started = time.perf_counter()
         events[0].record()
         for i in range(iters):
             step()
             events[i + 1].record()
+        host_ms.append((time.perf_counter() - started) * 1e3 / iters)
         torch.cuda.synchronize()
         return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
-    return step, run
+    return step, run, host_ms
 
 
 def cast_kernel_bandwidth(device, mbytes=100, iters=50):
@@ -94,7 +100,11 @@ def cast_kernel_bandwidth(device, mbytes=100, iters=50):
 
 
 def profile_variants(steps, trace_dir, iters=5):
-    """Where each variant's time goes: the top CUDA kernels and host ops of each, in one file."""
+    """Where each variant's time goes: the top CUDA kernels and host ops of each in one table
+    file, and one Chrome trace per variant (gzipped) to compare their timelines."""
+    import gzip
+    import shutil
+
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(trace_dir, exist_ok=True)
@@ -108,6 +118,11 @@ def profile_variants(steps, trace_dir, iters=5):
             averages = prof.key_averages()
             table.write(averages.table(sort_by="cuda_time_total", row_limit=15) + "\n")
             table.write(averages.table(sort_by="cpu_time_total", row_limit=15) + "\n")
+            trace = os.path.join(trace_dir, "trace_" + "".join(c if c.isalnum() else "_" for c in name) + ".json")
+            prof.export_chrome_trace(trace)
+            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(trace)
     print(f"profiles written to {trace_dir}")
 
 
@@ -137,12 +152,12 @@ def main(argv=None):
 
     x = torch.randn(args.batch, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
-    runners, models, runners_steps = {}, {}, {}
+    runners, models, runners_steps, host_ms = {}, {}, {}, {}
     for name, hook in VARIANTS.items():
         ddp, opt = build(hook, device, args.bucket_mb)
         if name.endswith("(timing off)"):
             registration.handle_of(ddp).timing = False  # what the counters' events cost
-        step, run = timed_chunk(ddp, opt, x, y, args.iters)
+        step, run, host_ms[name] = timed_chunk(ddp, opt, x, y, args.iters)
         for _ in range(args.warmup):
             step()
         runners[name], models[name] = run, ddp
@@ -159,7 +174,8 @@ def main(argv=None):
     results = {}
     for name, values in times.items():
         ratios = paired_ratios(values, base)
-        results[name] = {"ms_per_iteration": summary(values), "ratio_to_no_hook": summary(ratios)}
+        results[name] = {"ms_per_iteration": summary(values), "ratio_to_no_hook": summary(ratios),
+                         "host_ms_per_iteration": summary(host_ms[name])}
         if hasattr(models[name], "_commtune_handle"):
             s = registration.handle_of(models[name]).stats()
             n = max(1, s["iterations"])
@@ -180,8 +196,9 @@ def main(argv=None):
     for name, r in results.items():
         ms, ratio = r["ms_per_iteration"], r["ratio_to_no_hook"]
         rows.append([name, f"{ms['median']:.2f}", f"{ms['min']:.2f}-{ms['max']:.2f}",
-                     f"{ratio['median']:.4f}", f"{ratio['min']:.4f}-{ratio['max']:.4f}"])
-    say(format_rows(["variant", "ms/iter", "range", "x no hook", "ratio range"], rows))
+                     f"{ratio['median']:.4f}", f"{ratio['min']:.4f}-{ratio['max']:.4f}",
+                     f"{r['host_ms_per_iteration']['median']:.2f}"])
+    say(format_rows(["variant", "ms/iter", "range", "x no hook", "ratio range", "host ms/iter"], rows))
     say(format_rows(["kernel (100 MB fp32 bucket)", "ms", "GB/s", "of copy bw"],
                     [[k, f"{v['ms']:.4f}", f"{v['GBps']:.0f}", f"{v['fraction_of_copy_bw']:.1%}"] for k, v in kernel.items()]))
     for bar, ok in bars.items():
