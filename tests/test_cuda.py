@@ -70,3 +70,26 @@ def test_powersgd_on_nccl_matches_torch(name):
     for r in distributed.run(_both, cuda_world_size(), SETTINGS[name], "cuda", backend="nccl"):
         for a, b in zip(r["commtune"]["params"], r["torch"]["params"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_powersgd_on_nccl_with_half_gradients_matches_torch(dtype):
+    from test_powersgd import SETTINGS, _both
+
+    eps = torch.finfo(dtype).eps
+    for r in distributed.run(_both, cuda_world_size(), SETTINGS["rank1"], "cuda", dtype, backend="nccl"):
+        for a, b in zip(r["commtune"]["params"], r["torch"]["params"]):
+            assert a.dtype == dtype
+            # Rounding in 16 bits at different places (torch rounds each step's result):
+            # a few units in the last place of the parameters after training.
+            assert float((a.double() - b.double()).norm()) <= 8 * eps * float(b.double().norm())
+
+
+@pytest.mark.parametrize("hook", ["powersgd", "powersgd_batched"])
+def test_powersgd_resume_on_nccl_continues_like_an_uninterrupted_run(hook):
+    from test_edge_cases import _resume
+
+    for r in distributed.run(_resume, cuda_world_size(), 6, 3, hook, "cuda", backend="nccl"):
+        for a, b in zip(r["straight"], r["resumed"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert r["iteration"] == (6, 7)

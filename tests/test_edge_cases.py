@@ -97,7 +97,7 @@ RESUMABLE = {
 # continues with other random draws (equally valid, not bit-for-bit).
 
 
-def _resume(rank, world_size, steps, split, hook):
+def _resume(rank, world_size, steps, split, hook, device="cpu"):
     """Trains `steps` iterations straight, and again with a checkpoint of the hook after `split`."""
     import commtune as ct
     from models import batch, loss_fn, make_model
@@ -105,11 +105,12 @@ def _resume(rank, world_size, steps, split, hook):
     def train(ddp, opt, begin, end):
         for step in range(begin, end):
             opt.zero_grad()
-            loss_fn(ddp, *batch(rank, step)).backward()
+            loss_fn(ddp, *batch(rank, step, device)).backward()
             opt.step()
 
     def fresh():
-        ddp = ct.wrap(make_model(), hook=RESUMABLE[hook](ct))
+        ddp = ct.wrap(make_model(device=device), hook=RESUMABLE[hook](ct),
+                      device_ids=[rank] if device == "cuda" else None)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
 
     straight, opt = fresh()

@@ -1,11 +1,14 @@
 // The only file that includes pybind11: exposes hooks, handles and kernels as commtune._C.
 #include <torch/extension.h>
 
+#include <limits>
+
 #include <commtune/hook.h>
 #include <commtune/hooks/allreduce.h>
 #include <commtune/hooks/cast.h>
 #include <commtune/hooks/powersgd.h>
 #include <commtune/kernels/cast_scale.h>
+#include <commtune/kernels/low_rank.h>
 #include <commtune/kernels/orthogonalize.h>
 
 namespace py = pybind11;
@@ -104,6 +107,35 @@ PYBIND11_MODULE(_C, m) {
         "(src * scale) cast to dtype in one pass");
   m.def("cast_scale_", &cast_scale_, py::arg("src"), py::arg("scale"), py::arg("out"));
   m.def("orthogonalize_", &orthogonalize_, py::arg("matrices"), py::arg("epsilon") = 0.0);
+  m.def("powersgd_steps",
+        [](const at::Tensor& input, const at::Tensor& q_init, const std::vector<std::vector<int64_t>>& matrices,
+           const std::vector<std::vector<int64_t>>& rest, double epsilon) {
+          // One PowerSGD round on one rank through the plan's batched steps (for kernel tests):
+          // matrices as [offset, rows, cols, rank, p_offset, q_offset], rest as [offset, numel, rest_offset].
+          std::vector<LowRankMatrix> ms;
+          for (const auto& m : matrices) {
+            TORCH_CHECK(m.size() == 6, "powersgd_steps: a matrix is [offset, rows, cols, rank, p_offset, q_offset]");
+            ms.push_back(LowRankMatrix{m[0], m[1], m[2], m[3], m[4], m[5]});
+          }
+          std::vector<RestSegment> rs;
+          for (const auto& r : rest) {
+            TORCH_CHECK(r.size() == 3, "powersgd_steps: a rest segment is [offset, numel, rest_offset]");
+            rs.push_back(RestSegment{r[0], r[1], r[2]});
+          }
+          LowRankPlan plan(std::move(ms), std::move(rs), input.device());
+          at::Tensor q = q_init.clone(), p = at::empty({plan.p_numel()}, input.options());
+          at::Tensor rest_packed = at::empty({plan.rest_numel()}, input.options());
+          at::Tensor out = at::full_like(input, std::numeric_limits<double>::quiet_NaN()), error = input.clone();
+          orthogonalize_factors_(q, Factor::Q, epsilon, plan);
+          low_rank_project_(input, q, p, plan);
+          gather_rest_(input, rest_packed, plan);
+          orthogonalize_factors_(p, Factor::P, epsilon, plan);
+          low_rank_project_back_(input, p, q, plan);
+          low_rank_reconstruct_(p, q, out, error, plan);
+          scatter_rest_(rest_packed, out, error, plan);
+          return py::make_tuple(p, q, rest_packed, out, error, plan.batched_kernels());
+        },
+        py::arg("input"), py::arg("q_init"), py::arg("matrices"), py::arg("rest"), py::arg("epsilon") = 0.0);
   m.def("powersgd_torch_seeds", [](uint32_t seed, int64_t count) {
     std::mt19937 engine(seed);
     int64_t words = 0;

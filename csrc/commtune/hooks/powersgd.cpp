@@ -1,12 +1,16 @@
 #include <commtune/hooks/powersgd.h>
 
-#include <commtune/kernels/orthogonalize.h>
+#include <commtune/kernels/low_rank.h>
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 
 namespace commtune {
 namespace {
@@ -16,17 +20,12 @@ struct Shape {
   bool operator<(const Shape& o) const { return rows != o.rows ? rows < o.rows : cols < o.cols; }
 };
 
-struct Member {
-  at::Tensor matrix;  // view into the bucket
-  size_t slot;  // its entry in the bucket's layout
-};
-
-// One compressed unit: a batch [b, n, m] of matrices with its P [b, n, r] and Q [b, m, r].
-struct Unit {
-  at::Tensor matrices;
-  at::Tensor p, q;
-  std::vector<at::Tensor> sources;  // the bucket views a stacked batch is copied back into
-};
+// Lets the caching allocator reuse a tensor's memory only after the current stream's work.
+void record_on_current_stream(const at::Tensor& t) {
+  if (!t.defined() || t.is_cpu()) return;
+  c10::impl::VirtualGuardImpl impl(t.device().type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), impl.getStream(t.device()));
+}
 
 } // namespace
 
@@ -51,9 +50,68 @@ int64_t PowerSgdHook::draw_torch_seed(std::mt19937& engine, int64_t& words_used)
   return value;
 }
 
+void PowerSgdHook::plan_bucket(BucketState& state, const std::vector<at::Tensor>& grads, const at::Tensor& buffer) {
+  // Which gradients are worth compressing (torch's rule), grouped by shape in order of first
+  // appearance: torch's order for P and Q memory and for drawing Q.
+  std::vector<Shape> order;
+  std::map<Shape, std::vector<size_t>> groups;
+  std::vector<bool> compressed(grads.size(), false);
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& grad = grads[k];
+    if (grad.dim() == 0) continue;
+    const int64_t n = grad.size(0), m = grad.numel() / std::max<int64_t>(n, 1);
+    const int64_t r = std::min({n, m, options_.rank});
+    if (static_cast<double>((n + m) * r) * options_.min_compression_rate < static_cast<double>(n * m)) {
+      const Shape shape{n, m};
+      if (!groups.count(shape)) order.push_back(shape);
+      groups[shape].push_back(k);
+      compressed[k] = true;
+    }
+  }
+  std::vector<LowRankMatrix> matrices;
+  int64_t p_at = 0, q_at = 0;
+  for (const Shape& shape : order) {
+    const std::vector<size_t>& members = groups[shape];
+    const int64_t r = std::min({shape.rows, shape.cols, options_.rank});
+    // batch_same_shape: one draw of Q for the whole group, as torch's batched tensors.
+    const size_t batch = options_.batch_same_shape ? members.size() : 1;
+    for (size_t first = 0; first < members.size(); first += batch) {
+      state.draws.push_back(QDraw{q_at, static_cast<int64_t>(batch), shape.cols, r});
+      for (size_t i = first; i < first + batch; ++i) {
+        Slot& slot = state.layout[members[i]];
+        slot.q_offset = q_at;
+        slot.q_numel = shape.cols * r;
+        matrices.push_back(LowRankMatrix{slot.offset, shape.rows, shape.cols, r, p_at, q_at});
+        p_at += shape.rows * r;
+        q_at += shape.cols * r;
+      }
+    }
+  }
+  std::vector<RestSegment> rest;
+  int64_t rest_at = 0;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    if (compressed[k]) continue;
+    rest.push_back(RestSegment{state.layout[k].offset, state.layout[k].numel, rest_at});
+    rest_at += state.layout[k].numel;
+  }
+  state.plan = LowRankPlan(std::move(matrices), std::move(rest), buffer.device());
+}
+
+void PowerSgdHook::draw_q(BucketState& state, at::ScalarType dtype) {
+  // As torch: one CPU generator per bucket, seeded by the shared numpy-style engine, then
+  // one copy to the bucket's device.
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(draw_torch_seed(engine_, engine_words_));
+  at::Tensor host = at::empty({state.plan.q_numel()}, at::TensorOptions().dtype(dtype));
+  for (const QDraw& d : state.draws) {
+    host.narrow(0, d.q_offset, d.batch * d.cols * d.rank)
+        .view({d.batch, d.cols, d.rank})
+        .copy_(at::randn({d.batch, d.cols, d.rank}, gen, at::TensorOptions().dtype(dtype)));
+  }
+  state.q_memory.copy_(host);
+}
+
 Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor buffer = bucket.getBufferRef();
-  const int64_t bytes = static_cast<int64_t>(buffer.element_size());
   if (iteration() < options_.start_iter) {
     return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
   }
@@ -65,18 +123,22 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     layout.push_back(Slot{parameter_index(params[k]),
                           grads[k].storage_offset() - buffer.storage_offset(), grads[k].numel()});
   }
-  if (!same_places(layout, state.layout)) {
+  if (!same_places(layout, state.layout) || !state.plan.defined()) {
     // DDP rebuilt its buckets (or a new DDP resumes): carry the state over per parameter.
     stash(state);
+    state.layout = std::move(layout);
+    plan_bucket(state, grads, buffer);
   }
-  state.layout = std::move(layout);
+  const LowRankPlan& plan = state.plan;
+  const double eps = options_.orthogonalization_epsilon;
   const int64_t sampled_iteration = iteration();
   const bool sample = options_.approx_error_every > 0 && sampled_iteration % options_.approx_error_every == 0;
-  at::Tensor input_copy;
+
+  // The matrices are read from `input`: the bucket, or with error feedback the error buffer
+  // after adding the bucket to it (torch's bucket + error, without a copy).
+  at::Tensor input = buffer;
   if (options_.error_feedback) {
-    if (state.error.defined()) {
-      buffer.add_(state.error);
-    } else {
+    if (!state.error.defined()) {
       state.error = at::zeros_like(buffer);
       for (const Slot& slot : state.layout) {
         auto it = restored_.find(slot.parameter);
@@ -85,151 +147,86 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
           it->second.error = at::Tensor();
         }
       }
-      buffer.add_(state.error);
     }
-    input_copy = buffer.clone();
-  } else if (sample) {
-    input_copy = buffer.clone();
+    state.error.add_(buffer);
+    input = state.error;
   }
-
-  // Which gradients are worth compressing, grouped by shape in order of first appearance.
-  std::vector<Shape> order;
-  std::map<Shape, std::vector<Member>> groups;
-  std::vector<at::Tensor> uncompressed;
-  int64_t p_size = 0, q_size = 0;
-  for (size_t k = 0; k < grads.size(); ++k) {
-    const at::Tensor& grad = grads[k];
-    if (grad.dim() == 0) {
-      uncompressed.push_back(grad);
-      continue;
-    }
-    at::Tensor matrix = grad.view({grad.size(0), -1});
-    const int64_t n = matrix.size(0), m = matrix.size(1);
-    const int64_t r = std::min({n, m, options_.rank});
-    if (static_cast<double>((n + m) * r) * options_.min_compression_rate < static_cast<double>(n * m)) {
-      const Shape shape{n, m};
-      if (!groups.count(shape)) {
-        order.push_back(shape);
-      }
-      groups[shape].push_back(Member{matrix, k});
-      p_size += n * r;
-      q_size += m * r;
-    } else {
-      uncompressed.push_back(grad);
-    }
-  }
+  const at::Tensor input_copy = sample ? input.clone() : at::Tensor();
 
   bool randomize = !options_.warm_start || !state.q_memory.defined();
   if (randomize) {
-    state.p_memory = at::empty({p_size}, buffer.options());
-    state.q_memory = at::empty({q_size}, buffer.options());
+    state.q_memory = at::empty({plan.q_numel()}, buffer.options());
   }
-  std::vector<Unit> units;
-  int64_t p_at = 0, q_at = 0;
-  for (const Shape& shape : order) {
-    std::vector<Member>& members = groups[shape];
-    std::vector<std::vector<Member>> batches;
-    if (options_.batch_same_shape) {
-      batches.push_back(members);
-    } else {
-      for (const Member& t : members) batches.push_back({t});
-    }
-    const int64_t r = std::min({shape.rows, shape.cols, options_.rank});
-    for (std::vector<Member>& batch : batches) {
-      const int64_t b = static_cast<int64_t>(batch.size());
-      Unit u;
-      for (int64_t i = 0; i < b; ++i) {
-        Slot& slot = state.layout[batch[i].slot];
-        slot.q_offset = q_at + i * shape.cols * r;
-        slot.q_numel = shape.cols * r;
-        if (b > 1) u.sources.push_back(batch[i].matrix);
-      }
-      u.matrices = b == 1 ? batch[0].matrix.unsqueeze(0) : at::stack(u.sources);
-      u.p = state.p_memory.narrow(0, p_at, b * shape.rows * r).view({b, shape.rows, r});
-      u.q = state.q_memory.narrow(0, q_at, b * shape.cols * r).view({b, shape.cols, r});
-      p_at += b * shape.rows * r;
-      q_at += b * shape.cols * r;
-      units.push_back(std::move(u));
-    }
-  }
-
   if (randomize && options_.warm_start) {
     randomize = !restore_q(state);
   }
   if (randomize) {
-    // As torch: one CPU generator per bucket, seeded by the shared numpy-style engine.
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(draw_torch_seed(engine_, engine_words_));
-    for (Unit& u : units) {
-      u.q.copy_(at::randn(u.q.sizes(), gen, at::TensorOptions().dtype(buffer.scalar_type())));
-    }
+    draw_q(state, buffer.scalar_type());
   }
-  for (Unit& u : units) {
-    orthogonalize_(u.q, options_.orthogonalization_epsilon);
-    at::bmm_out(u.p, u.matrices, u.q);
-  }
+  // P and the uncompressed rest share one buffer and one allreduce (torch sends them apart;
+  // a sum is a sum): one collective fewer per bucket.
+  at::Tensor p_and_rest = at::empty({plan.p_numel() + plan.rest_numel()}, buffer.options());
+  state.p_memory = p_and_rest.narrow(0, 0, plan.p_numel());
+  at::Tensor rest = p_and_rest.narrow(0, plan.p_numel(), plan.rest_numel());
+  orthogonalize_factors_(state.q_memory, Factor::Q, eps, plan);
+  low_rank_project_(input, state.q_memory, state.p_memory, plan);
+  gather_rest_(input, rest, plan);
 
-  // Collectives in the same order on every rank: the uncompressed rest, P, then Q. The wait
-  // for P is a host wait on gloo and a stream wait on NCCL.
-  at::Tensor rest = uncompressed.empty()
-                        ? at::empty({0}, buffer.options())
-                        : at::cat([&] {
-                            std::vector<at::Tensor> flat;
-                            for (const at::Tensor& t : uncompressed) flat.push_back(t.reshape(-1));
-                            return flat;
-                          }());
-  auto rest_future = allreduce_sum(rest);
-  allreduce_sum(state.p_memory)->wait();
-  for (Unit& u : units) {
-    orthogonalize_(u.p, options_.orthogonalization_epsilon);
-    at::bmm_out(u.q, u.matrices.transpose(1, 2), u.p);
+  // Collectives in the same order on every rank: P with the rest, then Q.
+  auto p_future = allreduce_sum(p_and_rest);
+  c10::intrusive_ptr<c10::ivalue::Future> q_future;
+  {
+    // On a GPU the rest of the work goes to a side stream that waits for P's allreduce, so
+    // backward's stream does not; on CPU the host waits (gloo).
+    std::optional<c10::StreamGuard> side;
+    if (!buffer.is_cpu()) {
+      c10::impl::VirtualGuardImpl impl(buffer.device().type());
+      side.emplace(impl.getStreamFromGlobalPool(buffer.device()));
+    }
+    p_future->wait();
+    orthogonalize_factors_(state.p_memory, Factor::P, eps, plan);
+    low_rank_project_back_(input, state.p_memory, state.q_memory, plan);
+    q_future = allreduce_sum(state.q_memory);
   }
-  auto q_future = allreduce_sum(state.q_memory);
 
   const int64_t n = world_size();
-  const bool warm = options_.warm_start;
   BucketState* kept = &state;  // buckets_ never erases: the pointer stays valid
   auto finish = [=](const at::Tensor& reduced_q) mutable {
-    rest_future->wait();
     rest.div_(n);
-    int64_t at = 0;
-    for (const at::Tensor& t : uncompressed) {
-      t.copy_(rest.narrow(0, at, t.numel()).view_as(t));
-      at += t.numel();
-    }
     reduced_q.div_(n);
-    for (Unit& u : units) {
-      at::bmm_out(u.matrices, u.p, u.q.transpose(1, 2));
-      for (size_t i = 0; i < u.sources.size(); ++i) {
-        u.sources[i].copy_(u.matrices[i]);
-      }
-    }
+    const at::Tensor error = options_.error_feedback ? kept->error : at::Tensor();
+    low_rank_reconstruct_(kept->p_memory, reduced_q, buffer, error, kept->plan);
+    scatter_rest_(rest, buffer, error, kept->plan);
     if (sample) {
-      // Norms stay on the device; extra_stats() reads them, so nothing waits here.
-      std::vector<at::Tensor> residual, input;
-      for (const Slot& slot : kept->layout) {
-        if (slot.q_offset < 0) continue;
-        at::Tensor m = input_copy.narrow(0, slot.offset, slot.numel);
-        residual.push_back((m - buffer.narrow(0, slot.offset, slot.numel)).square().sum());
-        input.push_back(m.square().sum());
-      }
-      if (!residual.empty()) {
-        at::Tensor pair = at::stack({at::stack(residual).sum(), at::stack(input).sum()}).to(at::kDouble);
-        std::lock_guard<std::mutex> lock(samples_mutex_);
-        at::Tensor& total = samples_[sampled_iteration];
-        total = total.defined() ? total + pair : pair;
-      }
+      record_sample(sampled_iteration, *kept, input_copy, buffer);
     }
-    if (options_.error_feedback) {
-      kept->error = input_copy - buffer;
-    }
-    if (!warm) {
+    if (!options_.warm_start) {
       kept->p_memory = at::Tensor();
       kept->q_memory = at::Tensor();
     }
+    record_on_current_stream(p_and_rest);
+    record_on_current_stream(input_copy);
     return buffer;
   };
-  const int64_t bytes_out = (rest.numel() + p_size + q_size) * bytes;
+  const int64_t bytes_out = (plan.rest_numel() + plan.p_numel() + plan.q_numel()) * buffer.element_size();
   return Launch{std::move(q_future), std::move(finish), bytes_out};
+}
+
+void PowerSgdHook::record_sample(int64_t iteration, const BucketState& state, const at::Tensor& input,
+                                 const at::Tensor& output) {
+  // Norms stay on the device; extra_stats() reads them, so nothing waits here.
+  std::vector<at::Tensor> residual, norm;
+  for (const LowRankMatrix& m : state.plan.matrices()) {
+    const int64_t numel = m.rows * m.cols;
+    at::Tensor x = input.narrow(0, m.offset, numel);
+    residual.push_back((x - output.narrow(0, m.offset, numel)).square().sum());
+    norm.push_back(x.square().sum());
+  }
+  if (residual.empty()) return;
+  at::Tensor pair = at::stack({at::stack(residual).sum(), at::stack(norm).sum()}).to(at::kDouble);
+  std::lock_guard<std::mutex> lock(samples_mutex_);
+  at::Tensor& total = samples_[iteration];
+  total = total.defined() ? total + pair : pair;
 }
 
 std::map<std::string, double> PowerSgdHook::extra_stats() {

@@ -7,6 +7,7 @@
 // generators as torch's (numpy's legacy MT19937 picks each torch CPU seed). State is saved
 // per parameter, so a run resumed under a new DDP (another bucket layout) continues exactly.
 #include <commtune/hook.h>
+#include <commtune/kernels/low_rank.h>
 
 #include <map>
 #include <mutex>
@@ -48,17 +49,29 @@ class PowerSgdHook : public Hook {
     int64_t offset, numel;  // in the bucket (and error) buffer
     int64_t q_offset = -1, q_numel = 0;  // in q_memory; -1 when sent uncompressed
   };
+  // One draw of random Q values: [batch, cols, rank] at q_offset (torch draws per tensor, or
+  // per same-shape batch).
+  struct QDraw {
+    int64_t q_offset, batch, cols, rank;
+  };
   struct BucketState {
     at::Tensor error;  // error feedback: what compression left out last time
     at::Tensor p_memory;
     at::Tensor q_memory;
     std::vector<Slot> layout;
+    LowRankPlan plan;  // the compressed matrices and the rest, for the batched kernels
+    std::vector<QDraw> draws;
   };
   // Per-parameter state from load_state_dict, placed into a bucket when it first runs.
   struct Restored {
     at::Tensor error, q;
   };
 
+  // Decides what a bucket compresses and where its P, Q and rest live (once per layout).
+  void plan_bucket(BucketState& state, const std::vector<at::Tensor>& grads, const at::Tensor& buffer);
+  void draw_q(BucketState& state, at::ScalarType dtype);
+  // Adds ||M - PQ^T||^2 and ||M||^2 of a bucket's compressed matrices to an iteration's sample.
+  void record_sample(int64_t iteration, const BucketState& state, const at::Tensor& input, const at::Tensor& output);
   static bool same_places(const std::vector<Slot>& a, const std::vector<Slot>& b);
   // A bucket's error and Q cut into per-parameter copies.
   static std::vector<std::pair<int64_t, Restored>> per_parameter(const BucketState& s);

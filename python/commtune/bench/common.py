@@ -1,4 +1,5 @@
 """What every benchmark shares: the environment record, interleaved timing, results files."""
+import datetime
 import json
 import os
 import platform
@@ -7,6 +8,11 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import hooks, registration
+from ..launch import NO_MULTICAST
 
 
 def environment():
@@ -78,3 +84,55 @@ def cuda_time_ms(fn, iters, warmup=3):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def init_gpu_process_group(port):
+    """One process per GPU under torchrun, or this process alone on GPU 0. Returns the device."""
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (it measures on NCCL)")
+    os.environ.update(NO_MULTICAST)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
+    torch.backends.cudnn.benchmark = True
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def make_ddp(model, hook, device, bucket_mb):
+    """DDP around `model` with one of: None (no hook), "builtin" (torch's C++ ALLREDUCE), a torch
+    Python hook, (state_factory, torch hook), or a commtune hook config."""
+    kw = dict(device_ids=[device.index], bucket_cap_mb=bucket_mb)
+    if isinstance(hook, hooks.HookConfig):
+        return registration.wrap(model, hook=hook, **kw)
+    ddp = DDP(model, **kw)
+    if hook == "builtin":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    elif isinstance(hook, tuple):
+        state_factory, fn = hook
+        ddp.register_comm_hook(state_factory(), fn)
+    elif hook is not None:
+        ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def timed_chunk(step, iters):
+    """run() times `iters` calls of step() and returns the median iteration in ms (CUDA events
+    between iterations, so a stray slow one does not move it). host_ms collects the host time
+    to issue each chunk per iteration: close to the GPU's figure means the GPU waited for the CPU."""
+    host_ms = []
+
+    def run():
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        events[0].record()
+        for i in range(iters):
+            step()
+            events[i + 1].record()
+        host_ms.append((time.perf_counter() - started) * 1e3 / iters)
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
+
+    return run, host_ms

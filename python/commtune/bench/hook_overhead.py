@@ -6,20 +6,16 @@ ratios to the no-hook run. The cast kernel is also timed alone on a 100 MB bucke
 device-to-device copy of the same bytes.
 """
 import argparse
-import datetime
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import _C, hooks, registration
-from ..launch import NO_MULTICAST
-from .common import cuda_time_ms, environment, format_rows, interleaved, paired_ratios, summary, write_results
+from .common import (cuda_time_ms, environment, format_rows, init_gpu_process_group, interleaved, make_ddp,
+                     paired_ratios, summary, timed_chunk, write_results)
 
 VARIANTS = {
     "no hook": None,
@@ -39,19 +35,11 @@ def build(hook, device, bucket_mb):
 
     torch.manual_seed(0)
     model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
-    kw = dict(device_ids=[device.index], bucket_cap_mb=bucket_mb)
-    if isinstance(hook, hooks.HookConfig):
-        ddp = registration.wrap(model, hook=hook, **kw)
-    else:
-        ddp = DDP(model, **kw)
-        if hook == "builtin":
-            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
-        elif hook is not None:
-            ddp.register_comm_hook(None, hook)
+    ddp = make_ddp(model, hook, device, bucket_mb)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 
 
-def timed_chunk(ddp, opt, x, y, iters):
+def training_step(ddp, opt, x, y):
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(ddp(x), y)
@@ -59,24 +47,7 @@ def timed_chunk(ddp, opt, x, y, iters):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    host_ms = []
-
-    def run():
-        # An event between iterations; the chunk's figure is its median iteration, so a
-        # stray slow iteration (host jitter) does not move it. The host time to issue the
-        # chunk tells whether the GPU waited for the CPU (host ms/iteration close to the GPU's).
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        events[0].record()
-        for i in range(iters):
-            step()
-            events[i + 1].record()
-        host_ms.append((time.perf_counter() - started) * 1e3 / iters)
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
-
-    return step, run, host_ms
+    return step
 
 
 def cast_kernel_bandwidth(device, mbytes=100, iters=50):
@@ -137,18 +108,9 @@ def main(argv=None):
     p.add_argument("--trace-dir", default=None,
                    help="also profile 5 iterations of each variant; tables of CUDA and host time in DIR/kernels.txt")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("hook_overhead needs a CUDA GPU (it measures ResNet-50 on NCCL)")
-    os.environ.update(NO_MULTICAST)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
+    device = init_gpu_process_group(port=29533)
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.backends.cudnn.benchmark = True
 
     x = torch.randn(args.batch, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
@@ -157,7 +119,8 @@ def main(argv=None):
         ddp, opt = build(hook, device, args.bucket_mb)
         if name.endswith("(timing off)"):
             registration.handle_of(ddp).timing = False  # what the counters' events cost
-        step, run, host_ms[name] = timed_chunk(ddp, opt, x, y, args.iters)
+        step = training_step(ddp, opt, x, y)
+        run, host_ms[name] = timed_chunk(step, args.iters)
         for _ in range(args.warmup):
             step()
         runners[name], models[name] = run, ddp

@@ -1,0 +1,151 @@
+#include <commtune/kernels/low_rank.h>
+
+#include <commtune/kernels/orthogonalize.h>
+#include <commtune/shape.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace commtune {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Copies a vector of plain int64 records to the device as one int64 tensor.
+template <typename Entry>
+at::Tensor to_device_table(const std::vector<Entry>& entries, const at::Device& device) {
+  static_assert(sizeof(Entry) % sizeof(int64_t) == 0, "table entries are int64 records");
+  const int64_t width = sizeof(Entry) / sizeof(int64_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(entries.size()), width}, at::kLong);
+  if (!entries.empty()) std::memcpy(host.data_ptr<int64_t>(), entries.data(), entries.size() * sizeof(Entry));
+  return host.to(device);
+}
+
+at::Tensor matrix_view(const at::Tensor& memory, int64_t offset, int64_t rows, int64_t cols) {
+  return memory.narrow(0, offset, rows * cols).view({rows, cols});
+}
+
+void check_memory(const at::Tensor& t, int64_t numel, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(t.dim() == 1 && t.numel() >= numel && t.is_contiguous(), "PowerSGD low-rank step: ", what,
+              " must be a contiguous 1-D tensor of at least ", std::to_string(numel), " elements, got shape ",
+              shape_of(t));
+  TORCH_CHECK(t.device() == like.device() && t.scalar_type() == like.scalar_type(), "PowerSGD low-rank step: ",
+              what, " must match the bucket's device and dtype");
+}
+
+} // namespace
+
+LowRankPlan::LowRankPlan(std::vector<LowRankMatrix> matrices, std::vector<RestSegment> rest, const at::Device& device)
+    : matrices_(std::move(matrices)), rest_(std::move(rest)), defined_(true) {
+  std::vector<FactorEntry> p_factors, q_factors;
+  for (LowRankMatrix& m : matrices_) {
+    TORCH_INTERNAL_ASSERT(m.rank >= 1 && m.rank <= std::min(m.rows, m.cols));
+    m.row_start = total_rows_;
+    m.back_tile_start = back_tiles_;
+    m.scratch_offset = scratch_numel_;
+    m.q_start = q_numel_;
+    m.out_tile_start = out_tiles_;
+    total_rows_ += m.rows;
+    back_tiles_ += ceil_div(m.cols, kBackTileCols) * ceil_div(m.rows, kBackTileRows);
+    scratch_numel_ += ceil_div(m.rows, kBackTileRows) * m.cols * m.rank;
+    out_tiles_ += ceil_div(m.rows * m.cols, kOutTile);
+    p_numel_ += m.rows * m.rank;
+    q_numel_ += m.cols * m.rank;
+    max_rank_ = std::max(max_rank_, m.rank);
+    p_factors.push_back(FactorEntry{m.p_offset, m.rows, m.rank});
+    q_factors.push_back(FactorEntry{m.q_offset, m.cols, m.rank});
+  }
+  for (RestSegment& s : rest_) {
+    s.tile_start = rest_tiles_;
+    rest_tiles_ += ceil_div(s.numel, kOutTile);
+    rest_numel_ += s.numel;
+  }
+#ifdef COMMTUNE_WITH_CUDA
+  batched_ = device.is_cuda() && max_rank_ <= kMaxKernelRank;
+#endif
+  if (batched_) {
+    matrix_table_ = to_device_table(matrices_, device);
+    rest_table_ = to_device_table(rest_, device);
+    p_table_ = to_device_table(p_factors, device);
+    q_table_ = to_device_table(q_factors, device);
+  }
+}
+
+void low_rank_project_(const at::Tensor& src, const at::Tensor& q, const at::Tensor& p, const LowRankPlan& plan) {
+  check_memory(q, plan.q_numel(), src, "Q memory");
+  check_memory(p, plan.p_numel(), src, "P memory");
+#ifdef COMMTUNE_WITH_CUDA
+  if (plan.batched_kernels()) return low_rank_project_cuda_(src, q, p, plan);
+#endif
+  for (const LowRankMatrix& m : plan.matrices()) {
+    at::Tensor out = matrix_view(p, m.p_offset, m.rows, m.rank);
+    at::mm_out(out, matrix_view(src, m.offset, m.rows, m.cols), matrix_view(q, m.q_offset, m.cols, m.rank));
+  }
+}
+
+void low_rank_project_back_(const at::Tensor& src, const at::Tensor& p, const at::Tensor& q,
+                            const LowRankPlan& plan) {
+  check_memory(q, plan.q_numel(), src, "Q memory");
+  check_memory(p, plan.p_numel(), src, "P memory");
+#ifdef COMMTUNE_WITH_CUDA
+  if (plan.batched_kernels()) return low_rank_project_back_cuda_(src, p, q, plan);
+#endif
+  for (const LowRankMatrix& m : plan.matrices()) {
+    at::Tensor out = matrix_view(q, m.q_offset, m.cols, m.rank);
+    at::mm_out(out, matrix_view(src, m.offset, m.rows, m.cols).t(), matrix_view(p, m.p_offset, m.rows, m.rank));
+  }
+}
+
+void orthogonalize_factors_(const at::Tensor& memory, Factor which, double epsilon, const LowRankPlan& plan) {
+  check_memory(memory, which == Factor::P ? plan.p_numel() : plan.q_numel(), memory,
+               which == Factor::P ? "P memory" : "Q memory");
+#ifdef COMMTUNE_WITH_CUDA
+  if (plan.batched_kernels()) {
+    const int64_t count = static_cast<int64_t>(plan.matrices().size());
+    return orthogonalize_cuda_(memory, plan.factor_table(which), count, plan.max_rank(), epsilon);
+  }
+#endif
+  for (const LowRankMatrix& m : plan.matrices()) {
+    const int64_t rows = which == Factor::P ? m.rows : m.cols;
+    const int64_t offset = which == Factor::P ? m.p_offset : m.q_offset;
+    orthogonalize_(matrix_view(memory, offset, rows, m.rank).unsqueeze(0), epsilon);
+  }
+}
+
+void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& out, const at::Tensor& error,
+                           const LowRankPlan& plan) {
+  check_memory(q, plan.q_numel(), out, "Q memory");
+  check_memory(p, plan.p_numel(), out, "P memory");
+#ifdef COMMTUNE_WITH_CUDA
+  if (plan.batched_kernels()) return low_rank_reconstruct_cuda_(p, q, out, error, plan);
+#endif
+  for (const LowRankMatrix& m : plan.matrices()) {
+    at::Tensor target = matrix_view(out, m.offset, m.rows, m.cols);
+    at::mm_out(target, matrix_view(p, m.p_offset, m.rows, m.rank), matrix_view(q, m.q_offset, m.cols, m.rank).t());
+    if (error.defined()) matrix_view(error, m.offset, m.rows, m.cols).sub_(target);
+  }
+}
+
+void gather_rest_(const at::Tensor& src, const at::Tensor& rest, const LowRankPlan& plan) {
+  check_memory(rest, plan.rest_numel(), src, "rest");
+#ifdef COMMTUNE_WITH_CUDA
+  if (plan.batched_kernels()) return move_rest_cuda_(src, rest, at::Tensor(), /*gather=*/true, plan);
+#endif
+  for (const RestSegment& s : plan.rest()) {
+    rest.narrow(0, s.rest_offset, s.numel).copy_(src.narrow(0, s.offset, s.numel));
+  }
+}
+
+void scatter_rest_(const at::Tensor& rest, const at::Tensor& out, const at::Tensor& error, const LowRankPlan& plan) {
+  check_memory(rest, plan.rest_numel(), out, "rest");
+#ifdef COMMTUNE_WITH_CUDA
+  if (plan.batched_kernels()) return move_rest_cuda_(rest, out, error, /*gather=*/false, plan);
+#endif
+  for (const RestSegment& s : plan.rest()) {
+    at::Tensor target = out.narrow(0, s.offset, s.numel);
+    target.copy_(rest.narrow(0, s.rest_offset, s.numel));
+    if (error.defined()) error.narrow(0, s.offset, s.numel).sub_(target);
+  }
+}
+
+} // namespace commtune
