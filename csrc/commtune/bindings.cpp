@@ -131,8 +131,8 @@ PYBIND11_MODULE(_C, m) {
           gather_rest_(input, rest_packed, plan);
           orthogonalize_factors_(p, Factor::P, epsilon, plan);
           low_rank_project_back_(input, p, q, plan);
-          low_rank_reconstruct_(p, q, out, error, plan);
-          scatter_rest_(rest_packed, out, error, plan);
+          low_rank_reconstruct_(p, q, 1, out, error, plan);
+          scatter_rest_(rest_packed, 1, out, error, plan);
           return py::make_tuple(p, q, rest_packed, out, error, plan.batched_kernels());
         },
         py::arg("input"), py::arg("q_init"), py::arg("matrices"), py::arg("rest"), py::arg("epsilon") = 0.0);

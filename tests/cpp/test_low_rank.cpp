@@ -46,10 +46,10 @@ TEST(LowRankSteps, MatchPlainMatrixProducts) {
   }
   commtune::low_rank_project_back_(src, p, q, plan);
   at::Tensor out = at::full({878}, 123.0, at::kDouble), error = src.clone();
-  commtune::low_rank_reconstruct_(p, q, out, error, plan);
+  commtune::low_rank_reconstruct_(p, q, 1, out, error, plan);
   at::Tensor rest = at::empty({plan.rest_numel()}, at::kDouble);
   commtune::gather_rest_(src, rest, plan);
-  commtune::scatter_rest_(rest, out, error, plan);
+  commtune::scatter_rest_(rest, 1, out, error, plan);
   for (const LowRankMatrix& m : plan.matrices()) {
     at::Tensor M = src.narrow(0, m.offset, m.rows * m.cols).view({m.rows, m.cols});
     at::Tensor P = p.narrow(0, m.p_offset, m.rows * m.rank).view({m.rows, m.rank});

@@ -116,17 +116,18 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
   }
   BucketState& state = buckets_[bucket.getIndex()];
-  const std::vector<at::Tensor> grads = bucket.getGradients();
   const std::vector<at::Tensor> params = bucket.getParameters();
-  std::vector<Slot> layout;
-  for (size_t k = 0; k < grads.size(); ++k) {
-    layout.push_back(Slot{parameter_index(params[k]),
-                          grads[k].storage_offset() - buffer.storage_offset(), grads[k].numel()});
-  }
-  if (!same_places(layout, state.layout) || !state.plan.defined()) {
+  if (!holds_same_parameters(state, params, buffer)) {
     // DDP rebuilt its buckets (or a new DDP resumes): carry the state over per parameter.
+    // The per-gradient views are made only here: they cost host time on every call.
     stash(state);
-    state.layout = std::move(layout);
+    const std::vector<at::Tensor> grads = bucket.getGradients();
+    for (size_t k = 0; k < grads.size(); ++k) {
+      state.layout.push_back(Slot{parameter_index(params[k]),
+                                  grads[k].storage_offset() - buffer.storage_offset(), grads[k].numel()});
+      state.parameters.push_back(params[k].unsafeGetTensorImpl());
+    }
+    state.numel = buffer.numel();
     plan_bucket(state, grads, buffer);
   }
   const LowRankPlan& plan = state.plan;
@@ -192,11 +193,10 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   const int64_t n = world_size();
   BucketState* kept = &state;  // buckets_ never erases: the pointer stays valid
   auto finish = [=](const at::Tensor& reduced_q) mutable {
-    rest.div_(n);
-    reduced_q.div_(n);
+    // Q and the rest arrive summed over ranks; the mean is taken inside the writes back.
     const at::Tensor error = options_.error_feedback ? kept->error : at::Tensor();
-    low_rank_reconstruct_(kept->p_memory, reduced_q, buffer, error, kept->plan);
-    scatter_rest_(rest, buffer, error, kept->plan);
+    low_rank_reconstruct_(kept->p_memory, reduced_q, n, buffer, error, kept->plan);
+    scatter_rest_(rest, n, buffer, error, kept->plan);
     if (sample) {
       record_sample(sampled_iteration, *kept, input_copy, buffer);
     }
@@ -246,10 +246,14 @@ std::map<std::string, double> PowerSgdHook::extra_stats() {
   return {{"approximation_error", value}, {"approximation_error_iteration", static_cast<double>(at)}};
 }
 
-bool PowerSgdHook::same_places(const std::vector<Slot>& a, const std::vector<Slot>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].parameter != b[i].parameter || a[i].offset != b[i].offset) return false;
+bool PowerSgdHook::holds_same_parameters(const BucketState& state, const std::vector<at::Tensor>& params,
+                                         const at::Tensor& buffer) {
+  // The same parameters in the same order, in a bucket of the same size: the same layout.
+  if (!state.plan.defined() || state.numel != buffer.numel() || state.parameters.size() != params.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (state.parameters[i] != params[i].unsafeGetTensorImpl()) return false;
   }
   return true;
 }

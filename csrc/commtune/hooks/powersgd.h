@@ -59,6 +59,8 @@ class PowerSgdHook : public Hook {
     at::Tensor p_memory;
     at::Tensor q_memory;
     std::vector<Slot> layout;
+    std::vector<const c10::TensorImpl*> parameters;  // the bucket's parameters, in order
+    int64_t numel = 0;  // of the bucket
     LowRankPlan plan;  // the compressed matrices and the rest, for the batched kernels
     std::vector<QDraw> draws;
   };
@@ -72,7 +74,8 @@ class PowerSgdHook : public Hook {
   void draw_q(BucketState& state, at::ScalarType dtype);
   // Adds ||M - PQ^T||^2 and ||M||^2 of a bucket's compressed matrices to an iteration's sample.
   void record_sample(int64_t iteration, const BucketState& state, const at::Tensor& input, const at::Tensor& output);
-  static bool same_places(const std::vector<Slot>& a, const std::vector<Slot>& b);
+  static bool holds_same_parameters(const BucketState& state, const std::vector<at::Tensor>& params,
+                                    const at::Tensor& buffer);
   // A bucket's error and Q cut into per-parameter copies.
   static std::vector<std::pair<int64_t, Restored>> per_parameter(const BucketState& s);
   // Moves a bucket's state into restored_, per parameter, and empties the bucket.

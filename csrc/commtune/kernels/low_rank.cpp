@@ -112,16 +112,19 @@ void orthogonalize_factors_(const at::Tensor& memory, Factor which, double epsil
   }
 }
 
-void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& out, const at::Tensor& error,
-                           const LowRankPlan& plan) {
+void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
+                           const at::Tensor& error, const LowRankPlan& plan) {
+  TORCH_CHECK(divisor >= 1, "PowerSGD low-rank step: divisor must be >= 1");
   check_memory(q, plan.q_numel(), out, "Q memory");
   check_memory(p, plan.p_numel(), out, "P memory");
 #ifdef COMMTUNE_WITH_CUDA
-  if (plan.batched_kernels()) return low_rank_reconstruct_cuda_(p, q, out, error, plan);
+  if (plan.batched_kernels()) return low_rank_reconstruct_cuda_(p, q, divisor, out, error, plan);
 #endif
+  // As torch: Q divided (rounded) first, then the product.
+  const at::Tensor q_mean = divisor == 1 ? q : q / divisor;
   for (const LowRankMatrix& m : plan.matrices()) {
     at::Tensor target = matrix_view(out, m.offset, m.rows, m.cols);
-    at::mm_out(target, matrix_view(p, m.p_offset, m.rows, m.rank), matrix_view(q, m.q_offset, m.cols, m.rank).t());
+    at::mm_out(target, matrix_view(p, m.p_offset, m.rows, m.rank), matrix_view(q_mean, m.q_offset, m.cols, m.rank).t());
     if (error.defined()) matrix_view(error, m.offset, m.rows, m.cols).sub_(target);
   }
 }
@@ -129,21 +132,24 @@ void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, const at::T
 void gather_rest_(const at::Tensor& src, const at::Tensor& rest, const LowRankPlan& plan) {
   check_memory(rest, plan.rest_numel(), src, "rest");
 #ifdef COMMTUNE_WITH_CUDA
-  if (plan.batched_kernels()) return move_rest_cuda_(src, rest, at::Tensor(), /*gather=*/true, plan);
+  if (plan.batched_kernels()) return move_rest_cuda_(src, rest, 1, at::Tensor(), /*gather=*/true, plan);
 #endif
   for (const RestSegment& s : plan.rest()) {
     rest.narrow(0, s.rest_offset, s.numel).copy_(src.narrow(0, s.offset, s.numel));
   }
 }
 
-void scatter_rest_(const at::Tensor& rest, const at::Tensor& out, const at::Tensor& error, const LowRankPlan& plan) {
+void scatter_rest_(const at::Tensor& rest, int64_t divisor, const at::Tensor& out, const at::Tensor& error,
+                   const LowRankPlan& plan) {
   check_memory(rest, plan.rest_numel(), out, "rest");
+  TORCH_CHECK(divisor >= 1, "PowerSGD low-rank step: divisor must be >= 1");
 #ifdef COMMTUNE_WITH_CUDA
-  if (plan.batched_kernels()) return move_rest_cuda_(rest, out, error, /*gather=*/false, plan);
+  if (plan.batched_kernels()) return move_rest_cuda_(rest, out, divisor, error, /*gather=*/false, plan);
 #endif
+  const at::Tensor mean = divisor == 1 ? rest : rest / divisor;
   for (const RestSegment& s : plan.rest()) {
     at::Tensor target = out.narrow(0, s.offset, s.numel);
-    target.copy_(rest.narrow(0, s.rest_offset, s.numel));
+    target.copy_(mean.narrow(0, s.rest_offset, s.numel));
     if (error.defined()) error.narrow(0, s.offset, s.numel).sub_(target);
   }
 }

@@ -90,13 +90,15 @@ void low_rank_project_back_(const at::Tensor& src, const at::Tensor& p, const at
                             const LowRankPlan& plan);
 // Orthonormalizes the columns of every P_j (or Q_j), by orthogonalize_'s rule.
 void orthogonalize_factors_(const at::Tensor& memory, Factor which, double epsilon, const LowRankPlan& plan);
-// M_j = P_j Q_j^T written into `out`; `error`, if defined, has the same subtracted.
-void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& out, const at::Tensor& error,
-                           const LowRankPlan& plan);
+// M_j = P_j (Q_j / divisor)^T written into `out`; `error`, if defined, has the same subtracted.
+// The divisor (the world size: Q arrives summed over ranks) leaves Q's memory as it is.
+void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
+                           const at::Tensor& error, const LowRankPlan& plan);
 // rest = the uncompressed segments of src, packed.
 void gather_rest_(const at::Tensor& src, const at::Tensor& rest, const LowRankPlan& plan);
-// The uncompressed segments of `out` = rest; `error`, if defined, has the same subtracted.
-void scatter_rest_(const at::Tensor& rest, const at::Tensor& out, const at::Tensor& error, const LowRankPlan& plan);
+// The uncompressed segments of `out` = rest / divisor; `error`, if defined, has the same subtracted.
+void scatter_rest_(const at::Tensor& rest, int64_t divisor, const at::Tensor& out, const at::Tensor& error,
+                   const LowRankPlan& plan);
 
 #ifdef COMMTUNE_WITH_CUDA
 void low_rank_project_cuda_(const at::Tensor& src, const at::Tensor& q, const at::Tensor& p, const LowRankPlan& plan);
@@ -104,10 +106,10 @@ void low_rank_project_back_cuda_(const at::Tensor& src, const at::Tensor& p, con
                                  const LowRankPlan& plan);
 void orthogonalize_cuda_(const at::Tensor& memory, const at::Tensor& factors, int64_t count, int64_t max_rank,
                          double epsilon);
-void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& out,
+void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
                                 const at::Tensor& error, const LowRankPlan& plan);
-void move_rest_cuda_(const at::Tensor& from, const at::Tensor& to, const at::Tensor& error, bool gather,
-                     const LowRankPlan& plan);
+void move_rest_cuda_(const at::Tensor& from, const at::Tensor& to, int64_t divisor, const at::Tensor& error,
+                     bool gather, const LowRankPlan& plan);
 #endif
 
 } // namespace commtune

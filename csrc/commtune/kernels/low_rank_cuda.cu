@@ -189,10 +189,10 @@ __global__ void orthogonalize_kernel(scalar_t* __restrict__ memory, const Factor
   }
 }
 
-// M_j = P_j Q_j^T into `out` (and subtracted from `error`), kOutTile elements per block.
+// M_j = P_j (Q_j / divisor)^T into `out` (and subtracted from `error`), kOutTile elements per block.
 template <typename scalar_t, int R>
 __global__ void reconstruct_kernel(const scalar_t* __restrict__ p, const scalar_t* __restrict__ q,
-                                   scalar_t* __restrict__ out, scalar_t* __restrict__ error,
+                                   at::acc_type<scalar_t, true> divisor, scalar_t* __restrict__ out, scalar_t* __restrict__ error,
                                    const LowRankMatrix* __restrict__ matrices, int64_t count) {
   using acc_t = at::acc_type<scalar_t, true>;
   const LowRankMatrix& m = find_entry(matrices, count, blockIdx.x, &LowRankMatrix::out_tile_start);
@@ -206,16 +206,17 @@ __global__ void reconstruct_kernel(const scalar_t* __restrict__ p, const scalar_
     for (int c = 0; c < R; ++c) {
       if (c < r) v += static_cast<acc_t>(p[m.p_offset + i * r + c]) * static_cast<acc_t>(q[m.q_offset + k * r + c]);
     }
-    const scalar_t value = static_cast<scalar_t>(v);
+    const scalar_t value = static_cast<scalar_t>(v / divisor);
     out[m.offset + e] = value;
     if (error != nullptr) error[m.offset + e] -= value;
   }
 }
 
-// Packs the rest out of the bucket (gather) or puts it back (and subtracts it from `error`).
+// Packs the rest out of the bucket (gather) or puts it back divided by `divisor` (and
+// subtracts it from `error`).
 template <typename scalar_t>
 __global__ void move_rest_kernel(const scalar_t* __restrict__ from, scalar_t* __restrict__ to,
-                                 scalar_t* __restrict__ error, bool gather,
+                                 at::acc_type<scalar_t, true> divisor, scalar_t* __restrict__ error, bool gather,
                                  const RestSegment* __restrict__ segments, int64_t count) {
   const RestSegment& s = find_entry(segments, count, blockIdx.x, &RestSegment::tile_start);
   const int64_t begin = (blockIdx.x - s.tile_start) * kOutTile;
@@ -223,7 +224,7 @@ __global__ void move_rest_kernel(const scalar_t* __restrict__ from, scalar_t* __
   const int64_t from_at = gather ? s.offset : s.rest_offset;
   const int64_t to_at = gather ? s.rest_offset : s.offset;
   for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
-    const scalar_t value = from[from_at + e];
+    const scalar_t value = static_cast<scalar_t>(static_cast<at::acc_type<scalar_t, true>>(from[from_at + e]) / divisor);
     to[to_at + e] = value;
     if (error != nullptr) error[to_at + e] -= value;
   }
@@ -305,7 +306,7 @@ void orthogonalize_cuda_(const at::Tensor& memory, const at::Tensor& factors, in
   });
 }
 
-void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& out,
+void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
                                 const at::Tensor& error, const LowRankPlan& plan) {
   if (plan.out_tiles() == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
@@ -313,7 +314,8 @@ void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "low_rank_reconstruct", [&] {
     with_rank(plan.max_rank(), [&](auto rank) {
       reconstruct_kernel<scalar_t, decltype(rank)::value><<<plan.out_tiles(), kThreads, 0, stream>>>(
-          p.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+          p.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
+          static_cast<at::acc_type<scalar_t, true>>(divisor), out.mutable_data_ptr<scalar_t>(),
           error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr,
           entries_of<LowRankMatrix>(plan.matrix_table()), count_of(plan.matrix_table()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -321,15 +323,15 @@ void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, const 
   });
 }
 
-void move_rest_cuda_(const at::Tensor& from, const at::Tensor& to, const at::Tensor& error, bool gather,
-                     const LowRankPlan& plan) {
+void move_rest_cuda_(const at::Tensor& from, const at::Tensor& to, int64_t divisor, const at::Tensor& error,
+                     bool gather, const LowRankPlan& plan) {
   if (plan.rest_tiles() == 0) return;
   const c10::cuda::CUDAGuard guard(to.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, to.scalar_type(), "move_rest", [&] {
     move_rest_kernel<scalar_t><<<plan.rest_tiles(), kThreads, 0, stream>>>(
         from.const_data_ptr<scalar_t>(), to.mutable_data_ptr<scalar_t>(),
-        error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr, gather,
+        static_cast<at::acc_type<scalar_t, true>>(divisor), error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr, gather,
         entries_of<RestSegment>(plan.rest_table()), count_of(plan.rest_table()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
