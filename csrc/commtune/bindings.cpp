@@ -75,6 +75,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property(
           "timing", [](const HookHandle& h) { return h.hook->counters().timing(); },
           [](const HookHandle& h, bool on) { h.hook->counters().set_timing(on); })
+      .def_property(
+          "launch_thread", [](const HookHandle& h) { return h.hook->launch_thread(); },
+          [](const HookHandle& h, bool on) {
+            py::gil_scoped_release release;  // switching off waits for queued launches
+            h.hook->set_launch_thread(on);
+          })
       .def("set_parameters",
            [](const HookHandle& h, const std::vector<at::Tensor>& ps) { h.hook->set_parameters(ps); })
       .def("state_dict", [](const HookHandle& h) { return h.hook->state_dict(); })

@@ -2,6 +2,9 @@
 
 #include <commtune/shape.h>
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <chrono>
 
 namespace commtune {
@@ -11,6 +14,20 @@ Hook::Hook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::string nam
       name_(std::move(name)),
       counters_(std::make_shared<Counters>()) {}
 
+Hook::~Hook() {
+  // Nothing is queued once an iteration's backward has finished (the reducer waits for every
+  // bucket's future); the reducer, which owns the hook, goes only after that.
+  launcher_.reset();
+}
+
+void Hook::set_launch_thread(bool on) {
+  if (on && !launcher_) {
+    launcher_ = std::make_unique<LaunchThread>();
+  } else if (!on) {
+    launcher_.reset();
+  }
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> Hook::runHook(c10d::GradBucket& bucket) {
   const at::Tensor& buffer = bucket.getBufferRef();
   TORCH_CHECK(!buffer.is_sparse(),
@@ -19,8 +36,59 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::runHook(c10d::GradBucket& bucket) 
   TORCH_CHECK(buffer.is_floating_point(), "commtune.", name_, ": gradient bucket ", std::to_string(bucket.getIndex()),
               " has dtype ", buffer.scalar_type(), "; only floating-point gradients are supported");
 
-  const auto started = std::chrono::steady_clock::now();
   const CounterTicket ticket = counters_->open(bucket.getIndex(), bucket.isLast(), buffer);
+  if (!launcher_) {
+    return launch(bucket, ticket);
+  }
+  if (bucket.isLast()) {
+    // After the last bucket the reducer may issue collectives of its own (unused-parameter
+    // maps): ours must all be on their way first, in the same order on every rank.
+    launcher_->drain();
+    return launch(bucket, ticket);
+  }
+  return post_launch(bucket, ticket);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Hook::post_launch(c10d::GradBucket& bucket, const CounterTicket& ticket) {
+  const at::Tensor& buffer = bucket.getBufferRef();
+  std::vector<c10::Device> devices;
+  std::shared_ptr<c10::Event> ready;
+  if (!buffer.is_cpu()) {
+    // The launch thread's stream must wait for the gradients this thread's stream writes.
+    devices.push_back(buffer.device());
+    c10::impl::VirtualGuardImpl impl(buffer.device().type());
+    if (!launch_stream_) {
+      launch_stream_ = impl.getStreamFromGlobalPool(buffer.device());
+    }
+    ready = std::make_shared<c10::Event>(buffer.device().type());
+    ready->record(impl.getStream(buffer.device()));
+  }
+  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
+  std::optional<c10::Stream> stream = launch_stream_;
+  // The reducer's GradBucket lives only for this call: the task keeps a copy (same tensors).
+  launcher_->post([this, bucket = c10d::GradBucket(bucket), ticket, result, ready, stream]() mutable {
+    try {
+      std::optional<c10::StreamGuard> guard;
+      if (ready) {
+        guard.emplace(*stream);
+        ready->block(*stream);
+      }
+      launch(bucket, ticket)->addCallback([result](c10::ivalue::Future& done) {
+        if (done.hasError()) {
+          result->setError(done.exception_ptr());
+        } else {
+          result->markCompleted(done.value());
+        }
+      });
+    } catch (...) {
+      result->setError(std::current_exception());
+    }
+  });
+  return result;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Hook::launch(c10d::GradBucket& bucket, const CounterTicket& ticket) {
+  const auto started = std::chrono::steady_clock::now();
   Launch launch;
   try {
     launch = communicate(bucket);

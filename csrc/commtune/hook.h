@@ -8,6 +8,7 @@
 // the reducer no longer divides by the world size: every hook must.
 
 #include <commtune/counters.h>
+#include <commtune/launch_thread.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -16,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -30,7 +32,15 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) final;
 
+  ~Hook() override;
+
   const std::string& name() const { return name_; }
+  // On: communicate() runs on a launch thread of the hook's own, in bucket order, so autograd's
+  // thread does not wait for the hook's host work; the last bucket of an iteration still runs
+  // on the caller's thread, after the others, so the reducer's own collectives come after ours.
+  // Change it between iterations only.
+  void set_launch_thread(bool on);
+  bool launch_thread() const { return static_cast<bool>(launcher_); }
   Counters& counters() { return *counters_; }
   // Iterations handed over so far (a bucket with isLast() closes one); kept in state_dict.
   int64_t iteration() const { return iteration_; }
@@ -74,11 +84,17 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
 
  private:
   bool backend_is_nccl(const at::Tensor& tensor) const;
+  // communicate(), then the continuation that finishes the bucket and closes its record.
+  c10::intrusive_ptr<c10::ivalue::Future> launch(c10d::GradBucket& bucket, const CounterTicket& ticket);
+  // Posts launch() to the launch thread; the returned future completes with its result.
+  c10::intrusive_ptr<c10::ivalue::Future> post_launch(c10d::GradBucket& bucket, const CounterTicket& ticket);
 
   std::string name_;
   std::shared_ptr<Counters> counters_;  // shared with continuations still in flight
   std::atomic<int64_t> iteration_{0};
   std::unordered_map<const c10::TensorImpl*, int64_t> parameter_index_;
+  std::unique_ptr<LaunchThread> launcher_;
+  std::optional<c10::Stream> launch_stream_;  // the launch thread's stream, per hook
 };
 
 // Keeps the reducer, which owns the hook, alive for as long as Python holds it.

@@ -38,6 +38,16 @@ class Handle:
     def timing(self, on):
         self._native.timing = bool(on)
 
+    @property
+    def launch_thread(self):
+        """Whether the hook's launches run on a thread of its own (default off; see README).
+        Set it before training or between iterations."""
+        return self._native.launch_thread
+
+    @launch_thread.setter
+    def launch_thread(self, on):
+        self._native.launch_thread = bool(on)
+
     def reset_stats(self):
         self._native.reset_counters()
 

@@ -25,9 +25,13 @@ VARIANTS = {
     "commtune AllReduce": hooks.AllReduce(),
     "commtune AllReduce (timing off)": hooks.AllReduce(),
     "commtune Cast(bf16)": hooks.Cast(torch.bfloat16),
+    "commtune AllReduce (launch thread)": hooks.AllReduce(),
+    "commtune Cast(bf16) (launch thread)": hooks.Cast(torch.bfloat16),
 }
 BASELINE = "no hook"
-PAIRS = {"commtune AllReduce": "torch allreduce_hook", "commtune Cast(bf16)": "torch bf16_compress_hook"}
+PAIRS = {"commtune AllReduce": "torch allreduce_hook", "commtune Cast(bf16)": "torch bf16_compress_hook",
+         "commtune AllReduce (launch thread)": "torch allreduce_hook",
+         "commtune Cast(bf16) (launch thread)": "torch bf16_compress_hook"}
 
 
 def build(hook, device, bucket_mb):
@@ -119,6 +123,8 @@ def main(argv=None):
         ddp, opt = build(hook, device, args.bucket_mb)
         if name.endswith("(timing off)"):
             registration.handle_of(ddp).timing = False  # what the counters' events cost
+        if name.endswith("(launch thread)"):
+            registration.handle_of(ddp).launch_thread = True
         step = training_step(ddp, opt, x, y)
         run, host_ms[name] = timed_chunk(step, args.iters)
         for _ in range(args.warmup):
