@@ -103,5 +103,6 @@ def test_counters_match_the_model(results, name, ratio):
         assert s["compression_ratio"] == ratio
         assert sum(b["calls"] for b in s["buckets"]) == s["calls"]
         assert s["comm_us"] > 0 and s["hook_host_us"] > 0
+        assert s["timed_iterations"] == s["iterations"] and s["timed_calls"] == s["calls"]  # host clock: all
         assert 0 <= s["exposed_comm_us"] <= s["comm_us"]
         assert r["state"][name]["iteration"].item() == STEPS

@@ -22,6 +22,7 @@ py::dict totals_to_dict(const CounterTotals& t) {
   d["bytes_in"] = t.bytes_in;
   d["bytes_out"] = t.bytes_out;
   d["hook_host_us"] = t.hook_host_us;
+  d["timed_calls"] = t.timed_calls;
   d["comm_us"] = t.comm_us;
   d["exposed_comm_us"] = t.exposed_comm_us;
   return d;
@@ -30,6 +31,7 @@ py::dict totals_to_dict(const CounterTotals& t) {
 py::dict snapshot_to_dict(const CounterSnapshot& s) {
   py::dict d = totals_to_dict(s.total);
   d["iterations"] = s.iterations;
+  d["timed_iterations"] = s.timed_iterations;
   py::list buckets;
   for (const CounterTotals& b : s.buckets) {
     buckets.append(totals_to_dict(b));
@@ -75,6 +77,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property(
           "timing", [](const HookHandle& h) { return h.hook->counters().timing(); },
           [](const HookHandle& h, bool on) { h.hook->counters().set_timing(on); })
+      .def_property(
+          "timing_every", [](const HookHandle& h) { return h.hook->counters().timing_every(); },
+          [](const HookHandle& h, int64_t every) { h.hook->counters().set_timing_every(every); })
       .def_property(
           "launch_thread", [](const HookHandle& h) { return h.hook->launch_thread(); },
           [](const HookHandle& h, bool on) {

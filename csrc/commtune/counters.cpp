@@ -37,17 +37,25 @@ double TimePoint::us_until(const TimePoint& later) const {
   return std::chrono::duration<double, std::micro>(later.host_ - host_).count();
 }
 
+void Counters::set_timing_every(int64_t every) {
+  TORCH_CHECK(every >= 1, "timing_every must be >= 1, got ", std::to_string(every));
+  timing_every_ = every;
+}
+
 CounterTicket Counters::open(size_t bucket_index, bool is_last, const at::Tensor& buffer) {
-  std::optional<TimePoint> start;
-  if (timing_) {
-    start = TimePoint::now(buffer.device());
-  }
   std::lock_guard<std::mutex> lock(mutex_);
   fold(/*wait=*/false);
   if (pending_.empty() || pending_.back().saw_last) {
-    pending_.push_back(Iteration{next_serial_++, {}});
+    const int64_t serial = next_serial_++;
+    Iteration fresh{serial, {}};
+    fresh.timed = timing_ && (buffer.is_cpu() || serial % timing_every_ == 0);
+    pending_.push_back(std::move(fresh));
   }
   Iteration& it = pending_.back();
+  std::optional<TimePoint> start;
+  if (it.timed) {
+    start = TimePoint::now(buffer.device());
+  }
   it.records.push_back(Record{bucket_index, buffer.device(),
                               static_cast<int64_t>(buffer.nbytes()), 0, 0, std::move(start)});
   const size_t slot = it.records.size() - 1;
@@ -113,6 +121,7 @@ void Counters::fold(bool wait) {
 void Counters::add(const Iteration& it) {
   const std::optional<TimePoint>& handover = it.records[it.last_slot].start;
   double exposed_iteration = 0;
+  bool timed = false;
   for (const Record& r : it.records) {
     if (totals_.buckets.size() <= r.bucket) {
       totals_.buckets.resize(r.bucket + 1);  // buckets are rebuilt after iteration 1
@@ -129,6 +138,9 @@ void Counters::add(const Iteration& it) {
     if (!r.end) {
       continue;
     }
+    timed = true;
+    b.timed_calls += 1;
+    totals_.total.timed_calls += 1;
     const double comm = r.start->us_until(*r.end);
     const double exposed = handover ? std::max(0.0, handover->us_until(*r.end)) : 0.0;
     b.comm_us += comm;
@@ -138,6 +150,7 @@ void Counters::add(const Iteration& it) {
   }
   totals_.total.exposed_comm_us += exposed_iteration;
   totals_.iterations += 1;
+  totals_.timed_iterations += timed ? 1 : 0;
 }
 
 CounterSnapshot Counters::snapshot() {

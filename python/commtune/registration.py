@@ -39,6 +39,17 @@ class Handle:
         self._native.timing = bool(on)
 
     @property
+    def timing_every(self):
+        """On GPUs, CUDA events time one iteration in this many (default 10; 1: every one)."""
+        return self._native.timing_every
+
+    @timing_every.setter
+    def timing_every(self, every):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"timing_every must be an integer >= 1, got {every!r}")
+        self._native.timing_every = every
+
+    @property
     def launch_thread(self):
         """Whether the hook's launches run on a thread of its own (default off; see README).
         Set it before training or between iterations."""

@@ -29,15 +29,17 @@ def format_table(stats, title=""):
     header = ["bucket"] + [label for _, label, _ in COLUMNS]
     rows = [[str(i)] + _cells(b) for i, b in enumerate(stats["buckets"])]
     rows.append(["total"] + _cells(stats))
-    n = stats["iterations"]
+    n, timed = stats["iterations"], stats["timed_iterations"]
     if n:
-        per_iter = {k: stats[k] / n for k in ("calls", "bytes_in", "bytes_out", "hook_host_us",
-                                               "comm_us", "exposed_comm_us")}
+        per_iter = {k: stats[k] / n for k in ("calls", "bytes_in", "bytes_out", "hook_host_us")}
+        # Times come from the timed iterations only (one in handle.timing_every on GPUs).
+        for k in ("comm_us", "exposed_comm_us"):
+            per_iter[k] = stats[k] / timed if timed else 0.0
         per_iter["calls"] = round(per_iter["calls"])
         rows.append(["per iter"] + _cells(_with_ratio(per_iter)))
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
     lines = [title] if title else []
-    lines.append(f"iterations: {n}")
+    lines.append(f"iterations: {n} ({timed} timed)")
     lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
