@@ -191,16 +191,18 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   }
 
   const int64_t n = world_size();
+  const bool error_feedback = options_.error_feedback, warm_start = options_.warm_start;
+  PowerSgdHook* self = this;  // the reducer owns the hook and waits for every bucket
   BucketState* kept = &state;  // buckets_ never erases: the pointer stays valid
   auto finish = [=](const at::Tensor& reduced_q) mutable {
     // Q and the rest arrive summed over ranks; the mean is taken inside the writes back.
-    const at::Tensor error = options_.error_feedback ? kept->error : at::Tensor();
+    const at::Tensor error = error_feedback ? kept->error : at::Tensor();
     low_rank_reconstruct_(kept->p_memory, reduced_q, n, buffer, error, kept->plan);
     scatter_rest_(rest, n, buffer, error, kept->plan);
     if (sample) {
-      record_sample(sampled_iteration, *kept, input_copy, buffer);
+      self->record_sample(sampled_iteration, *kept, input_copy, buffer);
     }
-    if (!options_.warm_start) {
+    if (!warm_start) {
       kept->p_memory = at::Tensor();
       kept->q_memory = at::Tensor();
     }
