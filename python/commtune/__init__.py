@@ -3,7 +3,8 @@ from ._native import load as _load
 
 _C = _load()
 
-from . import hooks  # noqa: E402
+from . import hooks, nccl  # noqa: E402
+from .nccl import init_process_group  # noqa: E402
 from .registration import Handle, handle_of, register, wrap  # noqa: E402
 from .stats import format_table as _format_table  # noqa: E402
 
@@ -19,8 +20,10 @@ def report(ddp, file=None):
     """Prints the counters of the hook on `ddp` as a table and returns the text."""
     handle = handle_of(ddp)
     text = _format_table(handle.stats(), title=f"commtune.{handle.name}")
+    if nccl.applied():
+        text += "\nNCCL settings: " + " ".join(f"{k}={v}" for k, v in sorted(nccl.applied().items()))
     print(text, file=file)
     return text
 
 
-__all__ = ["hooks", "register", "wrap", "stats", "report", "Handle", "handle_of"]
+__all__ = ["hooks", "nccl", "init_process_group", "register", "wrap", "stats", "report", "Handle", "handle_of"]

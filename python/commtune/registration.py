@@ -3,6 +3,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .stats import from_counters
+from . import nccl
 from .hooks import HookConfig
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
@@ -26,8 +27,11 @@ class Handle:
         return self._native.iteration
 
     def stats(self):
-        """Counters of every finished iteration since the last reset (see README)."""
-        return from_counters(self._native.counters())
+        """Counters of every finished iteration since the last reset (see README), and the NCCL
+        variables commtune.nccl applied in this process (`nccl`)."""
+        stats = from_counters(self._native.counters())
+        stats["nccl"] = nccl.applied()
+        return stats
 
     @property
     def timing(self):
