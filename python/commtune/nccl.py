@@ -15,6 +15,8 @@ import re
 import warnings
 from typing import Optional, Union
 
+from .topology import Topology, parse_topo_matrix, topology  # noqa: F401  (ct.nccl.topology())
+
 ALGORITHMS = ("ring", "tree", "collnetdirect", "collnetchain", "nvls", "nvlstree", "pat")
 PROTOCOLS = ("ll", "ll128", "simple")
 COLLECTIVES = ("broadcast", "reduce", "allgather", "reducescatter", "allreduce")

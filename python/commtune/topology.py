@@ -1,0 +1,111 @@
+"""How this machine's GPUs are connected, read from `nvidia-smi topo -m`.
+
+`topology()` answers with a Topology: the GPUs, the path between each pair (NV# = # bonded
+NVLinks; PIX, PXB, PHB, NODE, SYS = PCIe paths of growing length, as nvidia-smi's legend says),
+each GPU's CPU and NUMA affinity, and a one-line summary for reports. On a machine without GPUs
+(or without nvidia-smi) it answers with an empty Topology that says so.
+"""
+import dataclasses
+import re
+import shutil
+import subprocess
+from typing import Dict, List, Optional, Tuple
+
+PCIE_PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")  # shortest to longest
+
+
+@dataclasses.dataclass
+class Gpu:
+    index: int
+    cpu_affinity: Optional[str] = None
+    numa: Optional[int] = None
+
+
+@dataclasses.dataclass
+class Topology:
+    gpus: List[Gpu]
+    links: Dict[Tuple[int, int], str]  # (i, j), i != j -> "NV18", "PIX", "SYS", ...
+    source: str  # "nvidia-smi", or "none" with the reason in `note`
+    note: str = ""
+
+    def nvlinks(self, i, j):
+        """Bonded NVLinks between GPUs i and j (0 for a PCIe path)."""
+        m = re.fullmatch(r"NV(\d+)", self.links.get((i, j), ""))
+        return int(m.group(1)) if m else 0
+
+    @property
+    def kind(self):
+        """'none', 'single', 'nvlink' (every pair over NVLink, e.g. NVSwitch), 'pcie', or 'mixed'."""
+        if not self.gpus:
+            return "none"
+        if len(self.gpus) == 1:
+            return "single"
+        pairs = [(a.index, b.index) for a in self.gpus for b in self.gpus if a.index != b.index]
+        linked = sum(1 for p in pairs if self.nvlinks(*p))
+        return "nvlink" if linked == len(pairs) else "pcie" if linked == 0 else "mixed"
+
+    def summary(self):
+        if not self.gpus:
+            return f"no GPU ({self.note})" if self.note else "no GPU"
+        n = len(self.gpus)
+        kind = self.kind
+        if kind == "single":
+            text = "1 GPU"
+        elif kind == "nvlink":
+            counts = sorted({self.nvlinks(*p) for p in self.links})
+            text = f"{n} GPUs, every pair over NVLink ({'/'.join(map(str, counts))} links per pair)"
+        elif kind == "pcie":
+            worst = max(self.links.values(), key=PCIE_PATHS.index)
+            text = f"{n} GPUs over PCIe only (longest path {worst})"
+        else:
+            linked = sum(1 for p in self.links if self.nvlinks(*p)) // 2
+            text = f"{n} GPUs, {linked} of {n * (n - 1) // 2} pairs over NVLink, the rest over PCIe"
+        numa = sorted({g.numa for g in self.gpus if g.numa is not None})
+        if numa:
+            text += f"; NUMA node(s) {', '.join(map(str, numa))}"
+        return text
+
+
+def parse_topo_matrix(text):
+    """Parses the output of `nvidia-smi topo -m` (the matrix; the legend after it is ignored)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # a terminal gets the header in bold
+    lines = text.splitlines()
+    header_at = next((i for i, line in enumerate(lines) if re.match(r"\s+GPU0\b", line)), None)
+    if header_at is None:
+        raise ValueError("not the output of `nvidia-smi topo -m`: no header row starting with GPU0")
+    header = [h.strip() for h in lines[header_at].split("\t") if h.strip()]
+    gpus, links = [], {}
+    for line in lines[header_at + 1:]:
+        if not line.strip():
+            break  # the legend follows a blank line
+        cells = [c.strip() for c in line.split("\t")]
+        name, values = cells[0], cells[1:]
+        m = re.fullmatch(r"GPU(\d+)", name)
+        if not m:
+            continue  # NIC rows
+        i = int(m.group(1))
+        row = dict(zip(header, values))
+        for column, value in row.items():
+            c = re.fullmatch(r"GPU(\d+)", column)
+            if c and int(c.group(1)) != i:
+                if value not in PCIE_PATHS and not re.fullmatch(r"NV\d+", value):
+                    raise ValueError(f"GPU{i} -> {column}: unknown path {value!r}")
+                links[i, int(c.group(1))] = value
+        numa = row.get("NUMA Affinity", "")
+        gpus.append(Gpu(i, row.get("CPU Affinity") or None, int(numa) if numa.isdigit() else None))
+    if not gpus:
+        raise ValueError("no GPU rows in the `nvidia-smi topo -m` output")
+    return Topology(gpus, links, "nvidia-smi")
+
+
+def topology():
+    """This machine's GPU topology (see the module's docstring)."""
+    if shutil.which("nvidia-smi") is None:
+        return Topology([], {}, "none", "nvidia-smi not found")
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Topology([], {}, "none", f"nvidia-smi topo -m failed: {e}")
+    if out.returncode != 0:
+        return Topology([], {}, "none", f"nvidia-smi topo -m failed: {out.stderr.strip() or out.returncode}")
+    return parse_topo_matrix(out.stdout)
