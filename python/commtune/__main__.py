@@ -1,4 +1,4 @@
-"""Command line: `python -m commtune demo [--iterations N] [--ranks N]`."""
+"""Command line: `python -m commtune demo [--iterations N] [--ranks N]`, `python -m commtune bench allreduce ...`."""
 import argparse
 import sys
 
@@ -11,7 +11,15 @@ def main(argv=None):
     demo.add_argument("--iterations", type=int, default=20, help="iterations per hook (default 20)")
     demo.add_argument("--ranks", type=int, default=None,
                       help="number of ranks (default: every GPU, or 2 CPU ranks)")
+    bench = sub.add_parser("bench", help="benchmarks: `bench allreduce [options]` (see --help there)")
+    bench.add_argument("name", choices=["allreduce"])
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import allreduce_sweep
+
+        allreduce_sweep.main(args.options)
+        return 0
     if args.command == "demo":
         if args.iterations < 1:
             parser.error("--iterations must be at least 1")
