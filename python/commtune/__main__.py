@@ -1,4 +1,5 @@
-"""Command line: `python -m commtune demo [--iterations N] [--ranks N]`, `python -m commtune bench allreduce ...`."""
+"""Command line: `python -m commtune demo [--iterations N] [--ranks N]`, `python -m commtune bench allreduce ...`,
+`python -m commtune tune nccl ...`."""
 import argparse
 import sys
 
@@ -14,7 +15,15 @@ def main(argv=None):
     bench = sub.add_parser("bench", help="benchmarks: `bench allreduce [options]` (see --help there)")
     bench.add_argument("name", choices=["allreduce"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    tune = sub.add_parser("tune", help="`tune nccl [options]`: measured NCCL settings for a model's buckets")
+    tune.add_argument("what", choices=["nccl"])
+    tune.add_argument("options", nargs=argparse.REMAINDER, help="passed to the tuner (see tune nccl --help)")
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        from . import tune as tune_mod
+
+        tune_mod.main(args.options)
+        return 0
     if args.command == "bench":
         from .bench import allreduce_sweep
 

@@ -78,8 +78,8 @@ def time_op(op, size, device, warmup, iters):
 def sweep(rank, world_size, args):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     say = print if rank == 0 else (lambda *a, **k: None)
-    sizes = sizes_between(args.min_size, args.max_size)
-    say(f"sweep: {', '.join(args.ops)}; {len(sizes)} sizes {args.min_size} B..{args.max_size} B; "
+    sizes = args.sizes or sizes_between(args.min_size, args.max_size)
+    say(f"sweep: {', '.join(args.ops)}; {len(sizes)} sizes {min(sizes)} B..{max(sizes)} B; "
         f"{world_size} ranks, backend {dist.get_backend()}")
     rows = []
     for op in args.ops:
@@ -106,6 +106,8 @@ def parser():
     p.add_argument("--min-size", type=parse_size, default=8, help="smallest result in bytes (default 8)")
     p.add_argument("--max-size", type=parse_size, default=None,
                    help="largest result (default 1GiB on GPUs, 4MiB on CPU)")
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=None,
+                   help="exact sizes instead of the powers of two between --min-size and --max-size")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size (fewer above 1 MiB)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--ranks", type=int, default=None, help="ranks to start when not under torchrun")
