@@ -30,6 +30,7 @@ def test_tuner_measures_candidates_and_writes_a_profile(tmp_path):
             assert r["candidate"] == min(times, key=lambda c: times[c][str(size)])
     assert Settings.from_profile(out) == Settings(**tune.CANDIDATES[profile["chosen"]].to_dict())
     assert profile["gain_vs_default"]["default"] == 0
+    assert (tmp_path / "profile.rules").read_text().startswith("# commtune NCCL tuner rules")
 
 
 def test_a_failed_candidate_is_never_chosen(tmp_path, monkeypatch):
@@ -47,3 +48,18 @@ def test_a_failed_candidate_is_never_chosen(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("down")))
     with pytest.raises(RuntimeError, match="default candidate could not be measured"):
         tune.tune([1024], {"default": Settings()}, out=str(tmp_path / "q.json"), say=lambda *a: None)
+
+
+def test_rules_for_the_tuner_plugin(tmp_path):
+    profile = {
+        "candidates": {"default": {}, "ring": {"NCCL_ALGO": "ring"}, "simple": {"NCCL_PROTO": "Simple"},
+                       "buffsize_16MiB": {"NCCL_BUFFSIZE": "16777216"}, "mixed": {"NCCL_ALGO": "ring;allreduce:tree"}},
+        "ranges": [{"candidate": "ring", "min_bytes": 1024, "max_bytes": 4096},
+                   {"candidate": "buffsize_16MiB", "min_bytes": 8192, "max_bytes": 8192},
+                   {"candidate": "simple", "min_bytes": 16384, "max_bytes": 65536},
+                   {"candidate": "mixed", "min_bytes": 2**20, "max_bytes": 2**20}],
+    }
+    path = tmp_path / "p.rules"
+    assert tune.write_rules(profile, path) == 2
+    lines = path.read_text().splitlines()
+    assert lines[1:] == ["allreduce 0 6144 ring *", f"allreduce {(8192 + 16384) // 2 + 1} {(65536 + 2**20) // 2} * simple"]

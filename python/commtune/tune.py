@@ -80,6 +80,38 @@ def choose(times, default="default"):
     return ranges
 
 
+def _single(value, names):
+    """The one name a setting forces (e.g. algo="ring"), or "*" when it forces none or several."""
+    if value is None or any(c in value for c in "^;,:"):
+        return "*"
+    value = value.strip().lower()
+    return value if value in names else "*"
+
+
+def write_rules(profile, path):
+    """The rules file the NCCL tuner plugin reads (COMMTUNE_TUNER_RULES): for each size range
+    whose winner forces an algorithm or a protocol, `allreduce min max algorithm protocol`.
+    Winners that force neither (the default, buffer sizes) leave NCCL's own choice; returns the
+    number of rules written."""
+    from .nccl import ALGORITHMS, PROTOCOLS
+
+    lines = ["# commtune NCCL tuner rules: collective min_bytes max_bytes algorithm protocol"]
+    ranges = profile["ranges"]
+    for i, r in enumerate(ranges):
+        env = profile["candidates"][r["candidate"]]
+        algo = _single(env.get("NCCL_ALGO"), ALGORITHMS)
+        proto = _single(env.get("NCCL_PROTO"), PROTOCOLS)
+        if algo == "*" and proto == "*":
+            continue
+        # Between measured sizes the nearer measurement decides: ranges meet halfway.
+        low = 0 if i == 0 else (ranges[i - 1]["max_bytes"] + r["min_bytes"]) // 2 + 1
+        high = 2**64 - 1 if i == len(ranges) - 1 else (r["max_bytes"] + ranges[i + 1]["min_bytes"]) // 2
+        lines.append(f"allreduce {low} {high} {algo} {proto}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return len(lines) - 1
+
+
 def tune(sizes, candidates, ranks=None, iters=20, out="nccl_profile.json", say=print):
     """Measures every candidate on `sizes`, writes the profile, returns it."""
     times, failed = {}, {}
@@ -107,9 +139,14 @@ def tune(sizes, candidates, ranks=None, iters=20, out="nccl_profile.json", say=p
     say(format_rows(["candidate", "sum of times (us)", "vs default"], rows))
     say(f"chosen: {best}; per size range: " +
         ", ".join(f"{r['min_bytes']}-{r['max_bytes']} B {r['candidate']}" for r in ranges))
-    say(f"profile written to {out} (load with commtune.nccl.Settings.from_profile)")
     with open(out) as f:
-        return json.load(f)
+        written = json.load(f)
+    rules = os.path.splitext(out)[0] + ".rules"
+    count = write_rules(written, rules)
+    say(f"profile written to {out} (load with commtune.nccl.Settings.from_profile); {count} per-size "
+        f"rule(s) for the tuner plugin in {rules} (NCCL_TUNER_PLUGIN=.../libcommtune_nccl_tuner.so "
+        f"COMMTUNE_TUNER_RULES={rules})")
+    return written
 
 
 def main(argv=None):
