@@ -41,7 +41,11 @@ def bucket_sizes(parameter_bytes, bucket_cap_mb=25.0, first_bucket_mb=1.0):
 
 def model_bucket_sizes(model_name, bucket_cap_mb):
     """Bucket sizes of a torchvision model (fp32 gradients)."""
-    import torchvision
+    try:
+        import torchvision
+    except ImportError:
+        raise SystemExit("--model needs torchvision, which is not installed; give the message sizes with "
+                         "--sizes instead (e.g. --sizes 1MiB 25MiB)") from None
 
     if not hasattr(torchvision.models, model_name):
         raise ValueError(f"unknown torchvision model {model_name!r}")
