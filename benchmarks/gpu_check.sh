@@ -26,3 +26,6 @@ torch.cuda.set_device(0); dist.init_process_group('nccl')
 x = torch.ones(1 << 20, device='cuda'); dist.all_reduce(x); torch.cuda.synchronize()
 print('allreduce ok', float(x[0])); dist.destroy_process_group()" > "$out/tuner.log" 2>&1
 grep -iE "commtune tuner|tuner" "$out/tuner.log" | head -8
+# Issue 4: the topology through NVML, and as nvidia-smi prints it.
+python -c "import subprocess, commtune as ct; t = ct.nccl.topology(); print('topology:', t.source, '-', t.summary()); \
+print('nvidia-smi:', ct.nccl.parse_topo_matrix(subprocess.run(['nvidia-smi', 'topo', '-m'], capture_output=True, text=True).stdout).summary())"

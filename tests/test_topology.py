@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 import commtune as ct
+from commtune.topology import from_nvml
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -51,3 +52,69 @@ def test_no_gpu_machine_gets_a_plain_answer(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     t = ct.nccl.topology()
     assert t.gpus == [] and t.kind == "none" and t.summary() == "no GPU (nvidia-smi not found)"
+
+
+class FakeNvml:
+    """Stands in for pynvml: GPUs with NVLinks to given peers (bus ids) and PCIe ancestors."""
+
+    NVML_FEATURE_ENABLED = 1
+
+    class NVMLError(Exception):
+        pass
+
+    class Pci:
+        def __init__(self, bus):
+            self.busId = bus.encode()
+
+    def __init__(self, links, ancestor=40, numa=None):
+        self.links, self.ancestor, self.numa = links, ancestor, numa or {}
+        self.shut = False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):
+        return len(self.links)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return self.Pci(f"00000000:{h + 0x10:02X}:00.0")
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if link >= len(self.links[h]):
+            raise self.NVMLError("no such link")
+        return self.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetNvLinkRemotePciInfo_v2(self, h, link):
+        return self.Pci(self.links[h][link])
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return self.ancestor
+
+    def nvmlDeviceGetNumaNodeId(self, h):
+        return self.numa.get(h, -1)
+
+
+def gpu_bus(i):
+    return f"00000000:{i + 0x10:02X}:00.0"
+
+
+def test_nvml_nvswitch_machine_matches_nvidia_smis_view():
+    switch = "00000000:C0:00.0"
+    nvml = FakeNvml({i: [switch] * 18 for i in range(8)}, numa={i: i // 4 for i in range(8)})
+    t = from_nvml(nvml)
+    assert t.source == "nvml" and nvml.shut
+    assert t.links == load("topo_8gpu_nvswitch.txt").links
+    assert t.summary() == load("topo_8gpu_nvswitch.txt").summary()
+
+
+def test_nvml_bridged_pairs_and_pcie_paths():
+    nvml = FakeNvml({0: [gpu_bus(1)] * 4, 1: [gpu_bus(0)] * 4, 2: [gpu_bus(3)] * 4, 3: [gpu_bus(2)] * 4}, ancestor=40)
+    t = from_nvml(nvml)
+    assert t.links == load("topo_4gpu_mixed.txt").links  # NV4 within a pair, NODE across
+    assert t.kind == "mixed" and all(g.numa is None for g in t.gpus)

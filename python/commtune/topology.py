@@ -1,4 +1,5 @@
-"""How this machine's GPUs are connected, read from `nvidia-smi topo -m`.
+"""How this machine's GPUs are connected: NVML (nvidia-ml-py) when it can be loaded, else
+`nvidia-smi topo -m`.
 
 `topology()` answers with a Topology: the GPUs, the path between each pair (NV# = # bonded
 NVLinks; PIX, PXB, PHB, NODE, SYS = PCIe paths of growing length, as nvidia-smi's legend says),
@@ -25,7 +26,7 @@ class Gpu:
 class Topology:
     gpus: List[Gpu]
     links: Dict[Tuple[int, int], str]  # (i, j), i != j -> "NV18", "PIX", "SYS", ...
-    source: str  # "nvidia-smi", or "none" with the reason in `note`
+    source: str  # "nvml", "nvidia-smi", or "none" with the reason in `note`
     note: str = ""
 
     def nvlinks(self, i, j):
@@ -98,8 +99,68 @@ def parse_topo_matrix(text):
     return Topology(gpus, links, "nvidia-smi")
 
 
+# NVML's common-ancestor levels, as nvidia-smi names them.
+_NVML_LEVELS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+_NVML_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS on Hopper
+
+
+def _bus_id(pci):
+    bus = pci.busId
+    return (bus.decode() if isinstance(bus, bytes) else bus).lower()
+
+
+def from_nvml(nvml):
+    """The topology through NVML (`nvml`: the pynvml module of nvidia-ml-py). NVLinks to a GPU
+    count for that pair; NVLinks to an NVSwitch connect every pair of GPUs that has them (as
+    nvidia-smi shows it: NV<the fewer of the two counts>). Other pairs get their PCIe path."""
+    nvml.nvmlInit()
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        bus = {_bus_id(nvml.nvmlDeviceGetPciInfo(h)): i for i, h in enumerate(handles)}
+        direct, to_switch = {}, [0] * len(handles)
+        for i, h in enumerate(handles):
+            for link in range(_NVML_MAX_LINKS):
+                try:
+                    if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
+                        continue
+                    remote = _bus_id(nvml.nvmlDeviceGetNvLinkRemotePciInfo_v2(h, link))
+                except nvml.NVMLError:
+                    continue  # no such link on this GPU
+                if remote in bus:
+                    direct[i, bus[remote]] = direct.get((i, bus[remote]), 0) + 1
+                else:
+                    to_switch[i] += 1
+        links = {}
+        for i, hi in enumerate(handles):
+            for j, hj in enumerate(handles):
+                if i == j:
+                    continue
+                count = direct.get((i, j), 0) + min(to_switch[i], to_switch[j])
+                if count:
+                    links[i, j] = f"NV{count}"
+                else:
+                    level = nvml.nvmlDeviceGetTopologyCommonAncestor(hi, hj)
+                    links[i, j] = _NVML_LEVELS.get(int(level), "SYS")
+        gpus = []
+        for i, h in enumerate(handles):
+            try:
+                numa = int(nvml.nvmlDeviceGetNumaNodeId(h))
+            except (AttributeError, nvml.NVMLError):
+                numa = None
+            gpus.append(Gpu(i, None, numa if numa is not None and numa >= 0 else None))
+        return Topology(gpus, links, "nvml")
+    finally:
+        nvml.nvmlShutdown()
+
+
 def topology():
     """This machine's GPU topology (see the module's docstring)."""
+    try:
+        import pynvml
+
+        return from_nvml(pynvml)
+    except Exception:  # no nvidia-ml-py, no driver, no GPU: nvidia-smi may still answer
+        pass
     if shutil.which("nvidia-smi") is None:
         return Topology([], {}, "none", "nvidia-smi not found")
     try:
