@@ -5,7 +5,7 @@ from torch import nn
 
 import commtune as ct
 import distributed
-from models import batch, loss_fn, make_model
+from models import make_model
 
 
 def test_register_refuses_a_module_that_is_not_ddp():
