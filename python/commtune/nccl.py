@@ -196,13 +196,14 @@ class Settings:
             if old in environ:
                 warnings.warn(f"{old} is deprecated since NCCL 2.17; use {new} (Settings.min_ctas/max_ctas). "
                               "When both are set NCCL takes the stricter", DeprecationWarning, stacklevel=2)
+        wanted = self.environment()  # validates (and warns) once
         changed = {}
-        for variable, value in self.environment().items():
+        for variable, value in wanted.items():
             if environ.get(variable) != value:
                 changed[variable] = (environ.get(variable), value)
                 environ[variable] = value
         _applied.clear()
-        _applied.update({k: environ[k] for k in self.environment()})
+        _applied.update(wanted)
         return changed
 
     @classmethod

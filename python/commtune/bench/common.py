@@ -1,5 +1,4 @@
 """What every benchmark shares: the environment record, interleaved timing, results files."""
-import datetime
 import json
 import os
 import platform
@@ -11,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import hooks, registration
+from .. import hooks, launch, registration
 from ..launch import NO_MULTICAST
 
 
@@ -94,8 +93,7 @@ def init_gpu_process_group(port):
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
+        launch.init("nccl", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     torch.backends.cudnn.benchmark = True
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -115,6 +113,19 @@ def make_ddp(model, hook, device, bucket_mb):
     elif hook is not None:
         ddp.register_comm_hook(None, hook)
     return ddp
+
+
+def training_step(ddp, opt, loss_of):
+    """One training iteration under bf16 autocast: loss_of(ddp), backward, optimizer step."""
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(ddp)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def timed_chunk(step, iters):

@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import _C, hooks, registration
 from .common import (cuda_time_ms, environment, format_rows, init_gpu_process_group, interleaved, make_ddp,
-                     paired_ratios, summary, timed_chunk, write_results)
+                     paired_ratios, summary, timed_chunk, training_step, write_results)
 
 VARIANTS = {
     "no hook": None,
@@ -41,17 +41,6 @@ def build(hook, device, bucket_mb):
     model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
     ddp = make_ddp(model, hook, device, bucket_mb)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-
-
-def training_step(ddp, opt, x, y):
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 def cast_kernel_bandwidth(device, mbytes=100, iters=50):
@@ -125,7 +114,7 @@ def main(argv=None):
             registration.handle_of(ddp).timing = False  # what the counters' events cost
         if name.endswith("(launch thread)"):
             registration.handle_of(ddp).launch_thread = True
-        step = training_step(ddp, opt, x, y)
+        step = training_step(ddp, opt, lambda m: nn.functional.cross_entropy(m(x), y))
         run, host_ms[name] = timed_chunk(step, args.iters)
         for _ in range(args.warmup):
             step()

@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from .. import hooks, registration
-from .common import environment, format_rows, init_gpu_process_group, interleaved, make_ddp, summary, timed_chunk, write_results
+from .common import (environment, format_rows, init_gpu_process_group, interleaved, make_ddp, summary, timed_chunk,
+                     training_step, write_results)
 
 START_ITER = 2  # compression runs from the third iteration: every timed iteration compresses
 
@@ -70,13 +71,7 @@ def measure(model_name, device, args, say):
             registration.handle_of(ddp).launch_thread = True
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
 
-        def step(ddp=ddp, opt=opt, loss_of=loss_of):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_of(ddp)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step = training_step(ddp, opt, loss_of)
         for _ in range(args.warmup):
             step()
         runners[name], host[name] = timed_chunk(step, args.iters)
