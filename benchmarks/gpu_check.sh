@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU, one call (about 9 minutes): build, the CUDA tests, the figures the open issues ask for,
-# and the NCCL tuner plugin loaded by NCCL. Writes at most 6 files to $OUT (or benchmarks/results/).
+# and the NCCL tuner plugin loaded by NCCL. Writes at most 8 files to $OUT (or benchmarks/results/).
 #   bash benchmarks/gpu_check.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -13,9 +13,11 @@ timeout 170 python -m pytest -q -rs -m needs_cuda tests 2>&1 | tee "$out/pytest_
 # Issue 2: hook overhead where the GPU sets the pace (counters time one iteration in ten by default).
 timeout 100 python benchmarks/hook_overhead.py --batch 256 --reps 5 --iters 10 --warmup 5 \
   --out "$out/hook_overhead_b256.json" 2>&1 | grep -E "PASS|FAIL|  [0-9]+\.[0-9]+  "
-# Issue 3: PowerSGD against torch's hook.
-timeout 150 python benchmarks/powersgd.py --models resnet50 --reps 4 --iters 8 --warmup 6 \
-  --out "$out/powersgd.json" 2>&1 | grep -E "PASS|FAIL"
+# Issue 3: PowerSGD against torch's hook where the GPU sets the pace, with a profile of each variant.
+timeout 200 python benchmarks/powersgd.py --models resnet50 --ranks 4 --buckets 25 --batch 256 --reps 4 --iters 8 \
+  --warmup 5 --trace-dir /tmp/psgd --out "$out/powersgd_b256.json" 2>&1 | grep -E "PASS|FAIL| MB "
+cp /tmp/psgd/resnet50/kernels.txt "$out/powersgd_kernels.txt" 2>/dev/null
+cp /tmp/psgd/resnet50/trace_commtune_PowerSGD_r4__25_MB.json.gz "$out/" 2>/dev/null
 # Issue 4: the tuner plugin, loaded and consulted by NCCL (look for "commtune tuner" lines).
 make -C csrc/nccl_tuner > /dev/null && printf 'allreduce 0 18446744073709551615 ring simple\n' > /tmp/commtune.rules
 NCCL_TUNER_PLUGIN=$PWD/csrc/nccl_tuner/libcommtune_nccl_tuner.so COMMTUNE_TUNER_RULES=/tmp/commtune.rules \

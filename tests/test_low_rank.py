@@ -52,6 +52,22 @@ def test_rank_deficient_columns_stay_finite_with_epsilon(device):
     torch.testing.assert_close(lead.transpose(1, 2) @ lead, torch.eye(3).expand(2, 3, 3), rtol=0, atol=1e-5)
 
 
+@needs_cuda
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("rows", [300, 70000])  # staged in shared memory, and too big for it
+def test_cuda_orthogonalization_in_shared_and_global_memory(rows):
+    m = torch.randn(2, rows, 4, generator=torch.Generator().manual_seed(rows))
+    ours = m.cuda()
+    _C.orthogonalize_(ours, 0.0)
+    ours = ours.cpu().double()
+    torch.testing.assert_close(ours.transpose(1, 2) @ ours, torch.eye(4, dtype=torch.float64).expand(2, 4, 4),
+                               rtol=0, atol=1e-5)
+    theirs = torch.linalg.qr(m.double()).Q
+    for k in range(1, 5):  # the same leading subspaces as a float64 QR
+        pa, pb = ours[:, :, :k], theirs[:, :, :k]
+        assert float(torch.linalg.det(pa.transpose(1, 2) @ pb).abs().min()) > 1 - 1e-4
+
+
 def layout(rank):
     """A bucket of matrices of awkward shapes with uncompressed pieces between them."""
     shapes = [(300, 70), (64, 576), (3, 513), (1000, 33), (40, 40), (2048, 9)]
@@ -70,6 +86,35 @@ def rel(a, b):
     return float((a.double().cpu() - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("divisor", [1, 3])
+def test_steps_add_the_addend_divide_and_sum_the_norms(device, divisor):
+    """The fused passes against plain tensor arithmetic on what they return: the error buffer
+    takes the addend, the output is P (Q / divisor)^T and the rest / divisor, the error ends as
+    input + addend - output, and the norms are the residual's and the input's over the matrices."""
+    numel, q_numel, matrices, rest = layout(4)
+    g = torch.Generator().manual_seed(divisor)
+    x, a, q0 = torch.randn(numel, generator=g), torch.randn(numel, generator=g), torch.randn(q_numel, generator=g)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    p, q, packed, out, error, norms, _ = (
+        t.cpu().double() if isinstance(t, torch.Tensor) else t
+        for t in _C.powersgd_steps(x.to(device, dtype), q0.to(device, dtype), matrices, rest, 1e-8,
+                                   addend=a.to(device, dtype), divisor=divisor))
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    total = (x.to(dtype) + a.to(dtype)).double()  # added in the working dtype, as the kernels do
+    torch.testing.assert_close(error, total - out, **tol)
+    residual = squares = 0.0
+    for offset, n, m, r, p_at, q_at in matrices:
+        P, Q = p[p_at:p_at + n * r].view(n, r), q[q_at:q_at + m * r].view(m, r)
+        torch.testing.assert_close(out[offset:offset + n * m].view(n, m), P @ (Q / divisor).T, **tol)
+        residual += float(error[offset:offset + n * m].square().sum())
+        squares += float(total[offset:offset + n * m].square().sum())
+    for offset, n, at in rest:
+        torch.testing.assert_close(packed[at:at + n], total[offset:offset + n], **tol)
+        torch.testing.assert_close(out[offset:offset + n], total[offset:offset + n] / divisor, **tol)
+    torch.testing.assert_close(norms, torch.tensor([residual, squares], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
 @needs_cuda
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
@@ -80,11 +125,13 @@ def test_batched_cuda_steps_match_a_float64_reference(dtype, tol, rank):
     numel, q_numel, matrices, rest = layout(rank)
     g = torch.Generator().manual_seed(rank)
     x, q0 = torch.randn(numel, generator=g), torch.randn(q_numel, generator=g)
-    ref = _C.powersgd_steps(x.double(), q0.double(), matrices, rest, 1e-8)
-    run = lambda: _C.powersgd_steps(x.to("cuda", dtype), q0.to("cuda", dtype), matrices, rest, 1e-8)
+    a = torch.randn(numel, generator=g)
+    ref = _C.powersgd_steps(x.double(), q0.double(), matrices, rest, 1e-8, addend=a.double(), divisor=3)
+    run = lambda: _C.powersgd_steps(x.to("cuda", dtype), q0.to("cuda", dtype), matrices, rest, 1e-8,
+                                    addend=a.to("cuda", dtype), divisor=3)
     got = run()
     assert got[-1] == (rank <= 32)  # the batched kernels, or the ATen loop above rank 32
-    for ours, theirs in zip(got[:5], ref[:5]):  # P, Q, packed rest, output, error
+    for ours, theirs in zip(got[:6], ref[:6]):  # P, Q, packed rest, output, error, norms
         assert rel(ours, theirs) <= tol
     again = run()
     assert all(torch.equal(a, b) for a, b in zip(got[:5], again[:5]))  # fixed summation order

@@ -120,9 +120,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("orthogonalize_", &orthogonalize_, py::arg("matrices"), py::arg("epsilon") = 0.0);
   m.def("powersgd_steps",
         [](const at::Tensor& input, const at::Tensor& q_init, const std::vector<std::vector<int64_t>>& matrices,
-           const std::vector<std::vector<int64_t>>& rest, double epsilon) {
-          // One PowerSGD round on one rank through the plan's batched steps (for kernel tests):
-          // matrices as [offset, rows, cols, rank, p_offset, q_offset], rest as [offset, numel, rest_offset].
+           const std::vector<std::vector<int64_t>>& rest, double epsilon, const std::optional<at::Tensor>& addend,
+           int64_t divisor) {
+          // One PowerSGD round through the plan's batched steps (for kernel tests), the sums
+          // taken as if `divisor` ranks had sent the same: matrices as [offset, rows, cols, rank,
+          // p_offset, q_offset], rest as [offset, numel, rest_offset]. The error buffer starts as
+          // input (+ addend) and ends as that minus the output.
           std::vector<LowRankMatrix> ms;
           for (const auto& m : matrices) {
             TORCH_CHECK(m.size() == 6, "powersgd_steps: a matrix is [offset, rows, cols, rank, p_offset, q_offset]");
@@ -137,16 +140,16 @@ PYBIND11_MODULE(_C, m) {
           at::Tensor q = q_init.clone(), p = at::empty({plan.p_numel()}, input.options());
           at::Tensor rest_packed = at::empty({plan.rest_numel()}, input.options());
           at::Tensor out = at::full_like(input, std::numeric_limits<double>::quiet_NaN()), error = input.clone();
+          at::Tensor norms = at::zeros({2}, input.options().dtype(at::kDouble));
           orthogonalize_factors_(q, Factor::Q, epsilon, plan);
-          low_rank_project_(input, q, p, plan);
-          gather_rest_(input, rest_packed, plan);
+          low_rank_compress_(error, addend.value_or(at::Tensor()), q, p, rest_packed, plan);
           orthogonalize_factors_(p, Factor::P, epsilon, plan);
-          low_rank_project_back_(input, p, q, plan);
-          low_rank_reconstruct_(p, q, 1, out, error, plan);
-          scatter_rest_(rest_packed, 1, out, error, plan);
-          return py::make_tuple(p, q, rest_packed, out, error, plan.batched_kernels());
+          low_rank_project_back_(error, p, q, plan);
+          low_rank_decompress_(p, q, rest_packed, divisor, out, error, norms, plan);
+          return py::make_tuple(p, q, rest_packed, out, error, norms, plan.batched_kernels());
         },
-        py::arg("input"), py::arg("q_init"), py::arg("matrices"), py::arg("rest"), py::arg("epsilon") = 0.0);
+        py::arg("input"), py::arg("q_init"), py::arg("matrices"), py::arg("rest"), py::arg("epsilon") = 0.0,
+        py::arg("addend") = py::none(), py::arg("divisor") = 1);
   m.def("powersgd_torch_seeds", [](uint32_t seed, int64_t count) {
     std::mt19937 engine(seed);
     int64_t words = 0;

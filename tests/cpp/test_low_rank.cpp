@@ -23,8 +23,11 @@ TEST(LowRankPlan, PrefixSumsCoverEveryMatrix) {
   EXPECT_EQ(plan.q_numel(), 40 * 2 + 9 * 3);
   EXPECT_EQ(plan.rest_numel(), 8);
   EXPECT_EQ(plan.max_rank(), 3);
-  EXPECT_EQ(plan.total_rows(), 76);
-  EXPECT_EQ(plan.matrices()[1].row_start, 6);
+  // P = M Q: blocks take 4 rows at a time (rank <= 4): 2 groups, then 18.
+  EXPECT_EQ(plan.row_groups(), 20);
+  EXPECT_EQ(plan.matrices()[1].group_start, 2);
+  EXPECT_EQ(plan.max_factor_numel(commtune::Factor::P), 70 * 3);
+  EXPECT_EQ(plan.max_factor_numel(commtune::Factor::Q), 40 * 2);
   // Q = M^T P: 1 column tile x 1 row chunk, then 1 x 3 (70 rows in chunks of 32).
   EXPECT_EQ(plan.matrices()[1].back_tile_start, 1);
   EXPECT_EQ(plan.back_tiles(), 4);
@@ -37,7 +40,8 @@ TEST(LowRankSteps, MatchPlainMatrixProducts) {
   at::manual_seed(3);
   at::Tensor src = at::randn({878}, at::kDouble);
   at::Tensor q = at::randn({plan.q_numel()}, at::kDouble), p = at::empty({plan.p_numel()}, at::kDouble);
-  commtune::low_rank_project_(src, q, p, plan);
+  at::Tensor rest = at::empty({plan.rest_numel()}, at::kDouble);
+  commtune::low_rank_compress_(src, at::Tensor(), q, p, rest, plan);
   for (const LowRankMatrix& m : plan.matrices()) {
     at::Tensor M = src.narrow(0, m.offset, m.rows * m.cols).view({m.rows, m.cols});
     at::Tensor Q = q.narrow(0, m.q_offset, m.cols * m.rank).view({m.cols, m.rank});
@@ -46,10 +50,7 @@ TEST(LowRankSteps, MatchPlainMatrixProducts) {
   }
   commtune::low_rank_project_back_(src, p, q, plan);
   at::Tensor out = at::full({878}, 123.0, at::kDouble), error = src.clone();
-  commtune::low_rank_reconstruct_(p, q, 1, out, error, plan);
-  at::Tensor rest = at::empty({plan.rest_numel()}, at::kDouble);
-  commtune::gather_rest_(src, rest, plan);
-  commtune::scatter_rest_(rest, 1, out, error, plan);
+  commtune::low_rank_decompress_(p, q, rest, 1, out, error, at::Tensor(), plan);
   for (const LowRankMatrix& m : plan.matrices()) {
     at::Tensor M = src.narrow(0, m.offset, m.rows * m.cols).view({m.rows, m.cols});
     at::Tensor P = p.narrow(0, m.p_offset, m.rows * m.rank).view({m.rows, m.rank});

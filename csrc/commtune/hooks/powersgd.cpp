@@ -133,11 +133,12 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   const LowRankPlan& plan = state.plan;
   const double eps = options_.orthogonalization_epsilon;
   const int64_t sampled_iteration = iteration();
-  const bool sample = options_.approx_error_every > 0 && sampled_iteration % options_.approx_error_every == 0;
+  const bool sample = options_.approx_error_every > 0 && sampled_iteration % options_.approx_error_every == 0 &&
+                      !plan.matrices().empty();
 
-  // The matrices are read from `input`: the bucket, or with error feedback the error buffer
-  // after adding the bucket to it (torch's bucket + error, without a copy).
-  at::Tensor input = buffer;
+  // The matrices are read from `input`: the bucket, or with error feedback the error buffer,
+  // which takes the bucket in the first pass (torch's bucket + error, without a copy).
+  at::Tensor input = buffer, addend;
   if (options_.error_feedback) {
     if (!state.error.defined()) {
       state.error = at::zeros_like(buffer);
@@ -149,10 +150,9 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
         }
       }
     }
-    state.error.add_(buffer);
     input = state.error;
+    addend = buffer;
   }
-  const at::Tensor input_copy = sample ? input.clone() : at::Tensor();
 
   bool randomize = !options_.warm_start || !state.q_memory.defined();
   if (randomize) {
@@ -170,8 +170,7 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   state.p_memory = p_and_rest.narrow(0, 0, plan.p_numel());
   at::Tensor rest = p_and_rest.narrow(0, plan.p_numel(), plan.rest_numel());
   orthogonalize_factors_(state.q_memory, Factor::Q, eps, plan);
-  low_rank_project_(input, state.q_memory, state.p_memory, plan);
-  gather_rest_(input, rest, plan);
+  low_rank_compress_(input, addend, state.q_memory, state.p_memory, rest, plan);
 
   // Collectives in the same order on every rank: P with the rest, then Q.
   auto p_future = allreduce_sum(p_and_rest);
@@ -197,38 +196,34 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   auto finish = [=](const at::Tensor& reduced_q) mutable {
     // Q and the rest arrive summed over ranks; the mean is taken inside the writes back.
     const at::Tensor error = error_feedback ? kept->error : at::Tensor();
-    low_rank_reconstruct_(kept->p_memory, reduced_q, n, buffer, error, kept->plan);
-    scatter_rest_(rest, n, buffer, error, kept->plan);
+    const at::Tensor norms = sample ? at::zeros({2}, buffer.options().dtype(at::kDouble)) : at::Tensor();
+    low_rank_decompress_(kept->p_memory, reduced_q, rest, n, buffer, error, norms, kept->plan);
     if (sample) {
-      self->record_sample(sampled_iteration, *kept, input_copy, buffer);
+      self->record_sample(sampled_iteration, norms);
     }
     if (!warm_start) {
       kept->p_memory = at::Tensor();
       kept->q_memory = at::Tensor();
     }
     record_on_current_stream(p_and_rest);
-    record_on_current_stream(input_copy);
     return buffer;
   };
   const int64_t bytes_out = (plan.rest_numel() + plan.p_numel() + plan.q_numel()) * buffer.element_size();
   return Launch{std::move(q_future), std::move(finish), bytes_out};
 }
 
-void PowerSgdHook::record_sample(int64_t iteration, const BucketState& state, const at::Tensor& input,
-                                 const at::Tensor& output) {
-  // Norms stay on the device; extra_stats() reads them, so nothing waits here.
-  std::vector<at::Tensor> residual, norm;
-  for (const LowRankMatrix& m : state.plan.matrices()) {
-    const int64_t numel = m.rows * m.cols;
-    at::Tensor x = input.narrow(0, m.offset, numel);
-    residual.push_back((x - output.narrow(0, m.offset, numel)).square().sum());
-    norm.push_back(x.square().sum());
+void PowerSgdHook::record_sample(int64_t iteration, const at::Tensor& norms) {
+  // Nothing waits here: extra_stats() waits for the event before it reads.
+  std::optional<c10::Event> written;
+  if (!norms.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(norms.device().type());
+    written.emplace(norms.device().type());
+    written->record(impl.getStream(norms.device()));
   }
-  if (residual.empty()) return;
-  at::Tensor pair = at::stack({at::stack(residual).sum(), at::stack(norm).sum()}).to(at::kDouble);
   std::lock_guard<std::mutex> lock(samples_mutex_);
-  at::Tensor& total = samples_[iteration];
-  total = total.defined() ? total + pair : pair;
+  Sample& sample = samples_[iteration];
+  sample.norms.push_back(norms);
+  sample.written.push_back(std::move(written));
 }
 
 std::map<std::string, double> PowerSgdHook::extra_stats() {
@@ -240,8 +235,14 @@ std::map<std::string, double> PowerSgdHook::extra_stats() {
   const bool newest_done = samples_.empty() || samples_.rbegin()->first < iteration();
   for (auto it = samples_.rbegin(); it != samples_.rend(); ++it) {
     if (it == samples_.rbegin() && !newest_done) continue;
-    at::Tensor pair = it->second.cpu();
-    value = std::sqrt(pair[0].item<double>() / pair[1].item<double>());
+    double residual = 0, input = 0;
+    for (size_t b = 0; b < it->second.norms.size(); ++b) {
+      if (it->second.written[b]) it->second.written[b]->synchronize();
+      const at::Tensor pair = it->second.norms[b].cpu();
+      residual += pair[0].item<double>();
+      input += pair[1].item<double>();
+    }
+    value = std::sqrt(residual / input);
     at = it->first;
     break;
   }

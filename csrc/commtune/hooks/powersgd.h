@@ -9,8 +9,11 @@
 #include <commtune/hook.h>
 #include <commtune/kernels/low_rank.h>
 
+#include <c10/core/Event.h>
+
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <unordered_map>
 
@@ -72,8 +75,9 @@ class PowerSgdHook : public Hook {
   // Decides what a bucket compresses and where its P, Q and rest live (once per layout).
   void plan_bucket(BucketState& state, const std::vector<at::Tensor>& grads, const at::Tensor& buffer);
   void draw_q(BucketState& state, at::ScalarType dtype);
-  // Adds ||M - PQ^T||^2 and ||M||^2 of a bucket's compressed matrices to an iteration's sample.
-  void record_sample(int64_t iteration, const BucketState& state, const at::Tensor& input, const at::Tensor& output);
+  // Keeps a bucket's [||M - PQ^T||^2, ||M||^2] (float64 [2], summed over its compressed
+  // matrices, still being computed on the current stream) for its iteration's sample.
+  void record_sample(int64_t iteration, const at::Tensor& norms);
   static bool holds_same_parameters(const BucketState& state, const std::vector<at::Tensor>& params,
                                     const at::Tensor& buffer);
   // A bucket's error and Q cut into per-parameter copies.
@@ -86,9 +90,14 @@ class PowerSgdHook : public Hook {
   Options options_;
   std::unordered_map<size_t, BucketState> buckets_;
   std::unordered_map<int64_t, Restored> restored_;
-  // Sampled iterations: squared norms [residual, input] summed over buckets, on the device.
+  // Sampled iterations: per bucket, squared norms [residual, input] on the device, and an event
+  // after the kernel that writes them (each bucket finishes on a stream of its own).
+  struct Sample {
+    std::vector<at::Tensor> norms;
+    std::vector<std::optional<c10::Event>> written;
+  };
   std::mutex samples_mutex_;
-  std::map<int64_t, at::Tensor> samples_;
+  std::map<int64_t, Sample> samples_;
   std::mt19937 engine_;
   int64_t engine_words_ = 0;  // 32-bit words drawn, to restore the engine from a checkpoint
 };

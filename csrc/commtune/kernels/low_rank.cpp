@@ -37,21 +37,24 @@ void check_memory(const at::Tensor& t, int64_t numel, const at::Tensor& like, co
 
 LowRankPlan::LowRankPlan(std::vector<LowRankMatrix> matrices, std::vector<RestSegment> rest, const at::Device& device)
     : matrices_(std::move(matrices)), rest_(std::move(rest)), defined_(true) {
+  for (const LowRankMatrix& m : matrices_) {
+    TORCH_INTERNAL_ASSERT(m.rank >= 1 && m.rank <= std::min(m.rows, m.cols));
+    max_rank_ = std::max(max_rank_, m.rank);
+  }
+  const int64_t group = rows_per_group(max_rank_);
   std::vector<FactorEntry> p_factors, q_factors;
   for (LowRankMatrix& m : matrices_) {
-    TORCH_INTERNAL_ASSERT(m.rank >= 1 && m.rank <= std::min(m.rows, m.cols));
-    m.row_start = total_rows_;
+    m.group_start = row_groups_;
     m.back_tile_start = back_tiles_;
     m.scratch_offset = scratch_numel_;
     m.q_start = q_numel_;
-    m.out_tile_start = out_tiles_;
-    total_rows_ += m.rows;
+    row_groups_ += ceil_div(m.rows, group);
     back_tiles_ += ceil_div(m.cols, kBackTileCols) * ceil_div(m.rows, kBackTileRows);
     scratch_numel_ += ceil_div(m.rows, kBackTileRows) * m.cols * m.rank;
-    out_tiles_ += ceil_div(m.rows * m.cols, kOutTile);
     p_numel_ += m.rows * m.rank;
     q_numel_ += m.cols * m.rank;
-    max_rank_ = std::max(max_rank_, m.rank);
+    max_p_factor_ = std::max(max_p_factor_, m.rows * m.rank);
+    max_q_factor_ = std::max(max_q_factor_, m.cols * m.rank);
     p_factors.push_back(FactorEntry{m.p_offset, m.rows, m.rank});
     q_factors.push_back(FactorEntry{m.q_offset, m.cols, m.rank});
   }
@@ -71,15 +74,22 @@ LowRankPlan::LowRankPlan(std::vector<LowRankMatrix> matrices, std::vector<RestSe
   }
 }
 
-void low_rank_project_(const at::Tensor& src, const at::Tensor& q, const at::Tensor& p, const LowRankPlan& plan) {
+void low_rank_compress_(const at::Tensor& src, const at::Tensor& addend, const at::Tensor& q, const at::Tensor& p,
+                        const at::Tensor& rest, const LowRankPlan& plan) {
   check_memory(q, plan.q_numel(), src, "Q memory");
   check_memory(p, plan.p_numel(), src, "P memory");
+  check_memory(rest, plan.rest_numel(), src, "rest");
+  if (addend.defined()) check_memory(addend, src.numel(), src, "addend");
 #ifdef COMMTUNE_WITH_CUDA
-  if (plan.batched_kernels()) return low_rank_project_cuda_(src, q, p, plan);
+  if (plan.batched_kernels()) return low_rank_compress_cuda_(src, addend, q, p, rest, plan);
 #endif
+  if (addend.defined()) src.add_(addend);
   for (const LowRankMatrix& m : plan.matrices()) {
     at::Tensor out = matrix_view(p, m.p_offset, m.rows, m.rank);
     at::mm_out(out, matrix_view(src, m.offset, m.rows, m.cols), matrix_view(q, m.q_offset, m.cols, m.rank));
+  }
+  for (const RestSegment& s : plan.rest()) {
+    rest.narrow(0, s.rest_offset, s.numel).copy_(src.narrow(0, s.offset, s.numel));
   }
 }
 
@@ -102,7 +112,8 @@ void orthogonalize_factors_(const at::Tensor& memory, Factor which, double epsil
 #ifdef COMMTUNE_WITH_CUDA
   if (plan.batched_kernels()) {
     const int64_t count = static_cast<int64_t>(plan.matrices().size());
-    return orthogonalize_cuda_(memory, plan.factor_table(which), count, plan.max_rank(), epsilon);
+    return orthogonalize_cuda_(memory, plan.factor_table(which), count, plan.max_rank(),
+                               plan.max_factor_numel(which), epsilon);
   }
 #endif
   for (const LowRankMatrix& m : plan.matrices()) {
@@ -112,44 +123,40 @@ void orthogonalize_factors_(const at::Tensor& memory, Factor which, double epsil
   }
 }
 
-void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
-                           const at::Tensor& error, const LowRankPlan& plan) {
+void low_rank_decompress_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& rest, int64_t divisor,
+                          const at::Tensor& out, const at::Tensor& error, const at::Tensor& norms,
+                          const LowRankPlan& plan) {
   TORCH_CHECK(divisor >= 1, "PowerSGD low-rank step: divisor must be >= 1");
   check_memory(q, plan.q_numel(), out, "Q memory");
   check_memory(p, plan.p_numel(), out, "P memory");
+  check_memory(rest, plan.rest_numel(), out, "rest");
+  if (error.defined()) check_memory(error, out.numel(), out, "error");
+  TORCH_CHECK(!norms.defined() || (norms.numel() == 2 && norms.scalar_type() == at::kDouble &&
+                                   norms.device() == out.device() && norms.is_contiguous()),
+              "PowerSGD low-rank step: norms must be a float64 tensor of 2 elements on the bucket's device");
 #ifdef COMMTUNE_WITH_CUDA
-  if (plan.batched_kernels()) return low_rank_reconstruct_cuda_(p, q, divisor, out, error, plan);
+  if (plan.batched_kernels()) return low_rank_decompress_cuda_(p, q, rest, divisor, out, error, norms, plan);
 #endif
   // As torch: Q divided (rounded) first, then the product.
   const at::Tensor q_mean = divisor == 1 ? q : q / divisor;
   for (const LowRankMatrix& m : plan.matrices()) {
     at::Tensor target = matrix_view(out, m.offset, m.rows, m.cols);
+    // A copy: `target` (or `error`) is overwritten next.
+    const at::Tensor before =
+        norms.defined() ? (error.defined() ? matrix_view(error, m.offset, m.rows, m.cols) : target)
+                              .to(at::kDouble, /*non_blocking=*/false, /*copy=*/true)
+                        : at::Tensor();
     at::mm_out(target, matrix_view(p, m.p_offset, m.rows, m.rank), matrix_view(q_mean, m.q_offset, m.cols, m.rank).t());
     if (error.defined()) matrix_view(error, m.offset, m.rows, m.cols).sub_(target);
+    if (norms.defined()) {
+      norms[0].add_((before - target.to(at::kDouble)).square().sum());
+      norms[1].add_(before.square().sum());
+    }
   }
-}
-
-void gather_rest_(const at::Tensor& src, const at::Tensor& rest, const LowRankPlan& plan) {
-  check_memory(rest, plan.rest_numel(), src, "rest");
-#ifdef COMMTUNE_WITH_CUDA
-  if (plan.batched_kernels()) return move_rest_cuda_(src, rest, 1, at::Tensor(), /*gather=*/true, plan);
-#endif
-  for (const RestSegment& s : plan.rest()) {
-    rest.narrow(0, s.rest_offset, s.numel).copy_(src.narrow(0, s.offset, s.numel));
-  }
-}
-
-void scatter_rest_(const at::Tensor& rest, int64_t divisor, const at::Tensor& out, const at::Tensor& error,
-                   const LowRankPlan& plan) {
-  check_memory(rest, plan.rest_numel(), out, "rest");
-  TORCH_CHECK(divisor >= 1, "PowerSGD low-rank step: divisor must be >= 1");
-#ifdef COMMTUNE_WITH_CUDA
-  if (plan.batched_kernels()) return move_rest_cuda_(rest, out, divisor, error, /*gather=*/false, plan);
-#endif
-  const at::Tensor mean = divisor == 1 ? rest : rest / divisor;
+  const at::Tensor rest_mean = divisor == 1 ? rest : rest / divisor;
   for (const RestSegment& s : plan.rest()) {
     at::Tensor target = out.narrow(0, s.offset, s.numel);
-    target.copy_(mean.narrow(0, s.rest_offset, s.numel));
+    target.copy_(rest_mean.narrow(0, s.rest_offset, s.numel));
     if (error.defined()) error.narrow(0, s.offset, s.numel).sub_(target);
   }
 }

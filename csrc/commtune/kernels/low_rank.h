@@ -22,12 +22,10 @@ struct LowRankMatrix {
   int64_t offset;  // of M_j in the source, in elements
   int64_t rows, cols, rank;
   int64_t p_offset, q_offset;  // of P_j and Q_j in their memories
-  int64_t row_start = 0;  // P = M Q: one warp per row
-  int64_t back_tile_start = 0;  // Q = M^T P: tiles of columns x row chunks
+  int64_t group_start = 0;  // P = M Q: one block per group of rows_per_group(max rank) rows
+  int64_t back_tile_start = 0;  // Q = M^T P and P Q^T: tiles of columns x row chunks
   int64_t scratch_offset = 0;  // Q = M^T P: per-chunk partial sums
   int64_t q_start = 0;  // Q = M^T P: summing the chunks, one thread per element of Q_j
-  int64_t out_tile_start = 0;  // P Q^T: tiles of elements
-  int64_t pad = 0;
 };
 
 // A piece of the bucket that is sent uncompressed, and where it sits in the packed rest.
@@ -43,6 +41,10 @@ struct FactorEntry {
 
 enum class Factor { P, Q };
 
+// P = M Q: rows one block takes together, so each value of Q a thread loads serves them all
+// (bounded by the registers its rank x rows accumulators take).
+constexpr int64_t rows_per_group(int64_t max_rank) { return max_rank <= 4 ? 4 : (max_rank <= 8 ? 2 : 1); }
+
 class LowRankPlan {
  public:
   LowRankPlan() = default;
@@ -56,6 +58,9 @@ class LowRankPlan {
   int64_t q_numel() const { return q_numel_; }
   int64_t rest_numel() const { return rest_numel_; }
   int64_t max_rank() const { return max_rank_; }
+  // The largest P_j (or Q_j), in elements: the orthogonalization stages factors up to a size in
+  // shared memory.
+  int64_t max_factor_numel(Factor which) const { return which == Factor::P ? max_p_factor_ : max_q_factor_; }
   // Whether the steps run as the batched CUDA kernels (else as ATen loops).
   bool batched_kernels() const { return batched_; }
 
@@ -63,53 +68,54 @@ class LowRankPlan {
   const at::Tensor& matrix_table() const { return matrix_table_; }
   const at::Tensor& rest_table() const { return rest_table_; }
   const at::Tensor& factor_table(Factor which) const { return which == Factor::P ? p_table_ : q_table_; }
-  int64_t total_rows() const { return total_rows_; }
+  int64_t row_groups() const { return row_groups_; }
   int64_t back_tiles() const { return back_tiles_; }
   int64_t scratch_numel() const { return scratch_numel_; }
-  int64_t out_tiles() const { return out_tiles_; }
   int64_t rest_tiles() const { return rest_tiles_; }
 
  private:
   std::vector<LowRankMatrix> matrices_;
   std::vector<RestSegment> rest_;
-  int64_t p_numel_ = 0, q_numel_ = 0, rest_numel_ = 0, max_rank_ = 0;
+  int64_t p_numel_ = 0, q_numel_ = 0, rest_numel_ = 0, max_rank_ = 0, max_p_factor_ = 0, max_q_factor_ = 0;
   bool defined_ = false, batched_ = false;
   at::Tensor matrix_table_, rest_table_, p_table_, q_table_;
-  int64_t total_rows_ = 0, back_tiles_ = 0, scratch_numel_ = 0, out_tiles_ = 0, rest_tiles_ = 0;
+  int64_t row_groups_ = 0, back_tiles_ = 0, scratch_numel_ = 0, rest_tiles_ = 0;
 };
 
 // Tile sizes the plan and the CUDA kernels agree on.
-constexpr int64_t kBackTileCols = 256;  // Q = M^T P: columns per tile (one per thread)
-constexpr int64_t kBackTileRows = 32;  // Q = M^T P: rows per tile (one chunk of partial sums)
-constexpr int64_t kOutTile = 2048;  // P Q^T and the rest: elements per tile
+constexpr int64_t kBackTileCols = 256;  // Q = M^T P and P Q^T: columns per tile (one per thread)
+constexpr int64_t kBackTileRows = 32;  // Q = M^T P and P Q^T: rows per tile (one chunk of partial sums)
+constexpr int64_t kOutTile = 2048;  // the rest: elements per tile
 
-// P_j = M_j Q_j for every j.
-void low_rank_project_(const at::Tensor& src, const at::Tensor& q, const at::Tensor& p, const LowRankPlan& plan);
+// The first pass over a bucket: with `addend` defined, src += addend everywhere first (error
+// feedback: the error buffer takes the bucket in the same pass); then P_j = M_j Q_j for every j
+// and `rest` = the uncompressed segments of src, packed.
+void low_rank_compress_(const at::Tensor& src, const at::Tensor& addend, const at::Tensor& q, const at::Tensor& p,
+                        const at::Tensor& rest, const LowRankPlan& plan);
 // Q_j = M_j^T P_j for every j.
 void low_rank_project_back_(const at::Tensor& src, const at::Tensor& p, const at::Tensor& q,
                             const LowRankPlan& plan);
 // Orthonormalizes the columns of every P_j (or Q_j), by orthogonalize_'s rule.
 void orthogonalize_factors_(const at::Tensor& memory, Factor which, double epsilon, const LowRankPlan& plan);
-// M_j = P_j (Q_j / divisor)^T written into `out`; `error`, if defined, has the same subtracted.
-// The divisor (the world size: Q arrives summed over ranks) leaves Q's memory as it is.
-void low_rank_reconstruct_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
-                           const at::Tensor& error, const LowRankPlan& plan);
-// rest = the uncompressed segments of src, packed.
-void gather_rest_(const at::Tensor& src, const at::Tensor& rest, const LowRankPlan& plan);
-// The uncompressed segments of `out` = rest / divisor; `error`, if defined, has the same subtracted.
-void scatter_rest_(const at::Tensor& rest, int64_t divisor, const at::Tensor& out, const at::Tensor& error,
-                   const LowRankPlan& plan);
+// The last pass: M_j = P_j (Q_j / divisor)^T and the uncompressed segments = rest / divisor,
+// written into `out`; `error`, if defined, has the same subtracted. The divisor (the world
+// size: Q and the rest arrive summed over ranks) divides Q as torch does, leaving Q's memory
+// as it is. `norms`, if defined (float64 [2]), gets sum (x - M_j)^2 and sum x^2 over the
+// compressed matrices added, x being what was there before (`error` if defined, else `out`).
+void low_rank_decompress_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& rest, int64_t divisor,
+                          const at::Tensor& out, const at::Tensor& error, const at::Tensor& norms,
+                          const LowRankPlan& plan);
 
 #ifdef COMMTUNE_WITH_CUDA
-void low_rank_project_cuda_(const at::Tensor& src, const at::Tensor& q, const at::Tensor& p, const LowRankPlan& plan);
+void low_rank_compress_cuda_(const at::Tensor& src, const at::Tensor& addend, const at::Tensor& q, const at::Tensor& p,
+                             const at::Tensor& rest, const LowRankPlan& plan);
 void low_rank_project_back_cuda_(const at::Tensor& src, const at::Tensor& p, const at::Tensor& q,
                                  const LowRankPlan& plan);
 void orthogonalize_cuda_(const at::Tensor& memory, const at::Tensor& factors, int64_t count, int64_t max_rank,
-                         double epsilon);
-void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
-                                const at::Tensor& error, const LowRankPlan& plan);
-void move_rest_cuda_(const at::Tensor& from, const at::Tensor& to, int64_t divisor, const at::Tensor& error,
-                     bool gather, const LowRankPlan& plan);
+                         int64_t max_factor_numel, double epsilon);
+void low_rank_decompress_cuda_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& rest, int64_t divisor,
+                               const at::Tensor& out, const at::Tensor& error, const at::Tensor& norms,
+                               const LowRankPlan& plan);
 #endif
 
 } // namespace commtune

@@ -35,72 +35,156 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-// P = M Q: one warp per row of every M_j; lanes stride over the row, then reduce.
-template <typename scalar_t, int R>
-__global__ void project_kernel(const scalar_t* __restrict__ src, const scalar_t* __restrict__ q,
-                               scalar_t* __restrict__ p, const LowRankMatrix* __restrict__ matrices,
-                               int64_t count, int64_t total_rows) {
-  using acc_t = at::acc_type<scalar_t, true>;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (row >= total_rows) return;  // whole warps leave together
-  const LowRankMatrix& m = find_entry(matrices, count, row, &LowRankMatrix::row_start);
-  const int64_t i = row - m.row_start;
-  const int r = static_cast<int>(m.rank);
-  const scalar_t* __restrict__ x = src + m.offset + i * m.cols;
-  const scalar_t* __restrict__ qj = q + m.q_offset;
-  acc_t acc[R];
+// Sums `n` values per thread over a block of THREADS threads; every thread gets the totals in `out`.
+template <int THREADS, typename acc_t, int R>
+__device__ void block_sum(acc_t (&v)[R], int n, acc_t* out) {
+  __shared__ acc_t partial[THREADS / kWarp][R];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
-  for (int c = 0; c < R; ++c) acc[c] = 0;
-  for (int64_t k = lane; k < m.cols; k += kWarp) {
-    const acc_t v = static_cast<acc_t>(x[k]);
-#pragma unroll
-    for (int c = 0; c < R; ++c) {
-      if (c < r) acc[c] += v * static_cast<acc_t>(qj[k * r + c]);
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < R; ++c) {
-    if (c < r) acc[c] = warp_sum(acc[c]);
+  for (int j = 0; j < R; ++j) {
+    if (j < n) v[j] = warp_sum(v[j]);
   }
   if (lane == 0) {
-    for (int c = 0; c < r; ++c) p[m.p_offset + i * r + c] = static_cast<scalar_t>(acc[c]);
+    for (int j = 0; j < n; ++j) partial[warp][j] = v[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < n) {
+    acc_t s = 0;
+    for (int w = 0; w < THREADS / kWarp; ++w) s += partial[w][threadIdx.x];
+    out[threadIdx.x] = s;
+  }
+  __syncthreads();
+}
+
+// Division rounded as ATen's (--use_fast_math would otherwise approximate it for float).
+__device__ __forceinline__ float exact_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double exact_div(double a, double b) { return a / b; }
+
+// The elements [begin, end) of a segment that block `tile` of the rest's tiles covers.
+struct RestTile {
+  const RestSegment* segment;
+  int64_t begin, end;
+};
+
+__device__ __forceinline__ RestTile rest_tile(const RestSegment* segments, int64_t count, int64_t tile) {
+  const RestSegment& s = find_entry(segments, count, tile, &RestSegment::tile_start);
+  const int64_t begin = (tile - s.tile_start) * kOutTile;
+  return RestTile{&s, begin, min(begin + kOutTile, s.numel)};
+}
+
+// The first pass. Blocks below `row_groups`: P = M Q for a group of G rows of one M_j, the
+// block's threads striding along the rows (each value of Q a thread loads serves all G rows),
+// then summed over the block in a fixed order. With `addend`, src += addend on the way.
+// Blocks above: the rest, packed (with the same addition).
+template <typename scalar_t, int R>
+__global__ void __launch_bounds__(kThreads) compress_kernel(
+    scalar_t* __restrict__ src, const scalar_t* __restrict__ addend, const scalar_t* __restrict__ q,
+    scalar_t* __restrict__ p, scalar_t* __restrict__ rest, const LowRankMatrix* __restrict__ matrices, int64_t count,
+    int64_t row_groups, const RestSegment* __restrict__ segments, int64_t segment_count) {
+  using acc_t = at::acc_type<scalar_t, true>;
+  if (blockIdx.x >= row_groups) {
+    const RestTile t = rest_tile(segments, segment_count, blockIdx.x - row_groups);
+    for (int64_t e = t.begin + threadIdx.x; e < t.end; e += blockDim.x) {
+      const int64_t at = t.segment->offset + e;
+      scalar_t x = src[at];
+      if (addend != nullptr) {
+        x = static_cast<scalar_t>(static_cast<acc_t>(x) + static_cast<acc_t>(addend[at]));
+        src[at] = x;
+      }
+      rest[t.segment->rest_offset + e] = x;
+    }
+    return;
+  }
+  constexpr int G = static_cast<int>(rows_per_group(R));
+  const LowRankMatrix& m = find_entry(matrices, count, static_cast<int64_t>(blockIdx.x), &LowRankMatrix::group_start);
+  const int64_t row0 = (blockIdx.x - m.group_start) * G;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(G), m.rows - row0));
+  const int r = static_cast<int>(m.rank);
+  scalar_t* __restrict__ x = src + m.offset + row0 * m.cols;
+  const scalar_t* __restrict__ y = addend == nullptr ? nullptr : addend + m.offset + row0 * m.cols;
+  const scalar_t* __restrict__ qj = q + m.q_offset;
+  acc_t acc[G * R];
+#pragma unroll
+  for (int j = 0; j < G * R; ++j) acc[j] = 0;
+  for (int64_t k = threadIdx.x; k < m.cols; k += kThreads) {
+    acc_t qk[R];
+#pragma unroll
+    for (int c = 0; c < R; ++c) qk[c] = c < r ? static_cast<acc_t>(qj[k * r + c]) : acc_t(0);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < rows) {
+        scalar_t v = x[g * m.cols + k];
+        if (y != nullptr) {
+          v = static_cast<scalar_t>(static_cast<acc_t>(v) + static_cast<acc_t>(y[g * m.cols + k]));
+          x[g * m.cols + k] = v;
+        }
+#pragma unroll
+        for (int c = 0; c < R; ++c) acc[g * R + c] += static_cast<acc_t>(v) * qk[c];
+      }
+    }
+  }
+  __shared__ acc_t totals[G * R];
+  block_sum<kThreads>(acc, G * R, totals);
+  for (int j = threadIdx.x; j < rows * r; j += kThreads) {
+    const int g = j / r, c = j % r;
+    p[m.p_offset + (row0 + g) * r + c] = static_cast<scalar_t>(totals[g * R + c]);
   }
 }
 
-// Q = M^T P, first half: each block takes kBackTileCols columns x kBackTileRows rows of one
-// M_j (coalesced along the row) and writes that chunk's partial sums.
+// Where a tile of kBackTileRows rows x kBackTileCols columns of some M_j lies (Q = M^T P and P Q^T).
+struct BackTile {
+  const LowRankMatrix* m;
+  int64_t chunk, row0, col;  // col: this thread's column
+  int rows;
+};
+
+__device__ __forceinline__ BackTile back_tile(const LowRankMatrix* matrices, int64_t count, int64_t block) {
+  const LowRankMatrix& m = find_entry(matrices, count, block, &LowRankMatrix::back_tile_start);
+  const int64_t tile = block - m.back_tile_start;
+  const int64_t col_tiles = (m.cols + kBackTileCols - 1) / kBackTileCols;
+  const int64_t chunk = tile / col_tiles;
+  const int64_t row0 = chunk * kBackTileRows;
+  return BackTile{&m, chunk, row0, (tile % col_tiles) * kBackTileCols + threadIdx.x,
+                  static_cast<int>(min(kBackTileRows, m.rows - row0))};
+}
+
+// Copies the tile's rows of P_j to shared memory (in acc_t).
+template <typename scalar_t, int R>
+__device__ __forceinline__ void load_p_rows(const scalar_t* __restrict__ p, const BackTile& t,
+                                            at::acc_type<scalar_t, true>* p_rows) {
+  const int r = static_cast<int>(t.m->rank);
+  for (int i = threadIdx.x; i < t.rows * r; i += blockDim.x) {
+    p_rows[i] = static_cast<at::acc_type<scalar_t, true>>(p[t.m->p_offset + t.row0 * r + i]);
+  }
+  __syncthreads();
+}
+
+// Q = M^T P, first half: each block takes one tile (coalesced along the rows) and writes that
+// chunk's partial sums.
 template <typename scalar_t, int R>
 __global__ void project_back_kernel(const scalar_t* __restrict__ src, const scalar_t* __restrict__ p,
                                     at::acc_type<scalar_t, true>* __restrict__ scratch,
                                     const LowRankMatrix* __restrict__ matrices, int64_t count) {
   using acc_t = at::acc_type<scalar_t, true>;
   __shared__ acc_t p_rows[kBackTileRows * R];
-  const LowRankMatrix& m = find_entry(matrices, count, blockIdx.x, &LowRankMatrix::back_tile_start);
-  const int64_t tile = blockIdx.x - m.back_tile_start;
-  const int64_t col_tiles = (m.cols + kBackTileCols - 1) / kBackTileCols;
-  const int64_t chunk = tile / col_tiles;
-  const int64_t row0 = chunk * kBackTileRows;
-  const int rows = static_cast<int>(min(kBackTileRows, m.rows - row0));
+  const BackTile t = back_tile(matrices, count, blockIdx.x);
+  load_p_rows<scalar_t, R>(p, t, p_rows);
+  const LowRankMatrix& m = *t.m;
+  if (t.col >= m.cols) return;
   const int r = static_cast<int>(m.rank);
-  for (int t = threadIdx.x; t < rows * r; t += blockDim.x) {
-    p_rows[t] = static_cast<acc_t>(p[m.p_offset + row0 * r + t]);
-  }
-  __syncthreads();
-  const int64_t k = (tile % col_tiles) * kBackTileCols + threadIdx.x;
-  if (k >= m.cols) return;
   acc_t acc[R];
 #pragma unroll
   for (int c = 0; c < R; ++c) acc[c] = 0;
-  const scalar_t* __restrict__ x = src + m.offset + row0 * m.cols + k;
-  for (int i = 0; i < rows; ++i) {
+  const scalar_t* __restrict__ x = src + m.offset + t.row0 * m.cols + t.col;
+#pragma unroll 8
+  for (int i = 0; i < t.rows; ++i) {
     const acc_t v = static_cast<acc_t>(x[i * m.cols]);
 #pragma unroll
     for (int c = 0; c < R; ++c) {
       if (c < r) acc[c] += v * p_rows[i * r + c];
     }
   }
-  acc_t* out = scratch + m.scratch_offset + (chunk * m.cols + k) * r;
+  acc_t* out = scratch + m.scratch_offset + (t.chunk * m.cols + t.col) * r;
   for (int c = 0; c < r; ++c) out[c] = acc[c];
 }
 
@@ -121,112 +205,132 @@ __global__ void sum_chunks_kernel(const at::acc_type<scalar_t, true>* __restrict
   q[m.q_offset + local] = static_cast<scalar_t>(sum);
 }
 
-// Sums `n` values per thread over the block; every thread gets the totals in `out`.
-template <typename acc_t, int R>
-__device__ void block_sum(acc_t (&v)[R], int n, acc_t* out) {
-  __shared__ acc_t partial[kThreads / kWarp][R];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-#pragma unroll
-  for (int j = 0; j < R; ++j) {
-    if (j < n) v[j] = warp_sum(v[j]);
-  }
-  if (lane == 0) {
-    for (int j = 0; j < n; ++j) partial[warp][j] = v[j];
-  }
-  __syncthreads();
-  if (threadIdx.x < n) {
-    acc_t s = 0;
-    for (int w = 0; w < kThreads / kWarp; ++w) s += partial[w][threadIdx.x];
-    out[threadIdx.x] = s;
-  }
-  __syncthreads();
-}
-
-// One block per factor [rows, r]: column by column, remove the finished columns' components
-// (twice when r > 2), then divide by (norm + epsilon). See orthogonalize.h.
-template <typename scalar_t, int R>
-__global__ void orthogonalize_kernel(scalar_t* __restrict__ memory, const FactorEntry* __restrict__ factors,
-                                     at::acc_type<scalar_t, true> epsilon) {
+// Gram-Schmidt on one factor a [rows, r] (shared or global memory) by a block of THREADS:
+// column by column, remove the finished columns' components (twice when r > 2), then divide
+// by (norm + epsilon). Every intermediate is rounded to scalar_t, as torch's loop does.
+template <typename scalar_t, int R, int THREADS>
+__device__ void gram_schmidt(scalar_t* __restrict__ a, int64_t rows, int r, at::acc_type<scalar_t, true> epsilon) {
   using acc_t = at::acc_type<scalar_t, true>;
   __shared__ acc_t totals[R];
-  const FactorEntry& f = factors[blockIdx.x];
-  scalar_t* __restrict__ a = memory + f.offset;
-  const int64_t rows = f.rows;
-  const int r = static_cast<int>(f.rank);
   const int passes = r > 2 ? 2 : 1;
   for (int i = 0; i < r; ++i) {
     for (int pass = 0; pass < passes && i > 0; ++pass) {
       acc_t dots[R];
 #pragma unroll
       for (int j = 0; j < R; ++j) dots[j] = 0;
-      for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) {
+      for (int64_t row = threadIdx.x; row < rows; row += THREADS) {
         const acc_t v = static_cast<acc_t>(a[row * r + i]);
 #pragma unroll
         for (int j = 0; j < R; ++j) {
           if (j < i) dots[j] += static_cast<acc_t>(a[row * r + j]) * v;
         }
       }
-      block_sum(dots, i, totals);
-      for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) {
+      block_sum<THREADS>(dots, i, totals);
+      for (int64_t row = threadIdx.x; row < rows; row += THREADS) {
         acc_t v = static_cast<acc_t>(a[row * r + i]);
         for (int j = 0; j < i; ++j) v -= totals[j] * static_cast<acc_t>(a[row * r + j]);
         a[row * r + i] = static_cast<scalar_t>(v);
       }
       __syncthreads();
     }
-    acc_t square[R];
-    square[0] = 0;
-    for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) {
+    acc_t square[1] = {0};
+    for (int64_t row = threadIdx.x; row < rows; row += THREADS) {
       const acc_t v = static_cast<acc_t>(a[row * r + i]);
       square[0] += v * v;
     }
-    block_sum(square, 1, totals);
+    block_sum<THREADS>(square, 1, totals);
     const acc_t scale = acc_t(1) / (sqrt(totals[0]) + epsilon);
-    for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) {
+    for (int64_t row = threadIdx.x; row < rows; row += THREADS) {
       a[row * r + i] = static_cast<scalar_t>(static_cast<acc_t>(a[row * r + i]) * scale);
     }
     __syncthreads();
   }
 }
 
-// M_j = P_j (Q_j / divisor)^T into `out` (and subtracted from `error`), kOutTile elements per block.
-template <typename scalar_t, int R>
-__global__ void reconstruct_kernel(const scalar_t* __restrict__ p, const scalar_t* __restrict__ q,
-                                   at::acc_type<scalar_t, true> divisor, scalar_t* __restrict__ out, scalar_t* __restrict__ error,
-                                   const LowRankMatrix* __restrict__ matrices, int64_t count) {
-  using acc_t = at::acc_type<scalar_t, true>;
-  const LowRankMatrix& m = find_entry(matrices, count, blockIdx.x, &LowRankMatrix::out_tile_start);
-  const int64_t begin = (blockIdx.x - m.out_tile_start) * kOutTile;
-  const int64_t end = min(begin + kOutTile, m.rows * m.cols);
-  const int r = static_cast<int>(m.rank);
-  for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
-    const int64_t i = e / m.cols, k = e - i * m.cols;
-    acc_t v = 0;
-#pragma unroll
-    for (int c = 0; c < R; ++c) {
-      if (c < r) v += static_cast<acc_t>(p[m.p_offset + i * r + c]) * static_cast<acc_t>(q[m.q_offset + k * r + c]);
-    }
-    const scalar_t value = static_cast<scalar_t>(v / divisor);
-    out[m.offset + e] = value;
-    if (error != nullptr) error[m.offset + e] -= value;
+// One block per factor. A factor of at most `staged_numel` elements is worked on in shared
+// memory (loaded and stored once, coalesced); a larger one in place in global memory.
+template <typename scalar_t, int R, int THREADS>
+__global__ void __launch_bounds__(THREADS) orthogonalize_kernel(scalar_t* __restrict__ memory,
+                                                                const FactorEntry* __restrict__ factors,
+                                                                at::acc_type<scalar_t, true> epsilon,
+                                                                int64_t staged_numel) {
+  extern __shared__ __align__(16) unsigned char staging[];
+  const FactorEntry& f = factors[blockIdx.x];
+  scalar_t* __restrict__ global = memory + f.offset;
+  const int64_t numel = f.rows * f.rank;
+  if (numel > staged_numel) {
+    gram_schmidt<scalar_t, R, THREADS>(global, f.rows, static_cast<int>(f.rank), epsilon);
+    return;
   }
+  scalar_t* a = reinterpret_cast<scalar_t*>(staging);
+  for (int64_t e = threadIdx.x; e < numel; e += THREADS) a[e] = global[e];
+  __syncthreads();
+  gram_schmidt<scalar_t, R, THREADS>(a, f.rows, static_cast<int>(f.rank), epsilon);
+  for (int64_t e = threadIdx.x; e < numel; e += THREADS) global[e] = a[e];
 }
 
-// Packs the rest out of the bucket (gather) or puts it back divided by `divisor` (and
-// subtracts it from `error`).
-template <typename scalar_t>
-__global__ void move_rest_kernel(const scalar_t* __restrict__ from, scalar_t* __restrict__ to,
-                                 at::acc_type<scalar_t, true> divisor, scalar_t* __restrict__ error, bool gather,
-                                 const RestSegment* __restrict__ segments, int64_t count) {
-  const RestSegment& s = find_entry(segments, count, blockIdx.x, &RestSegment::tile_start);
-  const int64_t begin = (blockIdx.x - s.tile_start) * kOutTile;
-  const int64_t end = min(begin + kOutTile, s.numel);
-  const int64_t from_at = gather ? s.offset : s.rest_offset;
-  const int64_t to_at = gather ? s.rest_offset : s.offset;
-  for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
-    const scalar_t value = static_cast<scalar_t>(static_cast<at::acc_type<scalar_t, true>>(from[from_at + e]) / divisor);
-    to[to_at + e] = value;
-    if (error != nullptr) error[to_at + e] -= value;
+// The last pass. Blocks below `tile_blocks`: one tile of M_j = P_j (Q_j / divisor)^T, each
+// thread one column (its row of Q in registers, the tile's rows of P in shared memory), written
+// to `out` and subtracted from `error`; with `norms`, the squared residual and input summed.
+// Blocks above: the rest / divisor back into `out` (and subtracted from `error`).
+template <typename scalar_t, int R>
+__global__ void decompress_kernel(const scalar_t* __restrict__ p, const scalar_t* __restrict__ q,
+                                  const scalar_t* __restrict__ rest, at::acc_type<scalar_t, true> divisor,
+                                  scalar_t* __restrict__ out, scalar_t* __restrict__ error, double* __restrict__ norms,
+                                  const LowRankMatrix* __restrict__ matrices, int64_t count, int64_t tile_blocks,
+                                  const RestSegment* __restrict__ segments, int64_t segment_count) {
+  using acc_t = at::acc_type<scalar_t, true>;
+  if (blockIdx.x >= tile_blocks) {
+    const RestTile t = rest_tile(segments, segment_count, blockIdx.x - tile_blocks);
+    for (int64_t e = t.begin + threadIdx.x; e < t.end; e += blockDim.x) {
+      const int64_t at = t.segment->offset + e;
+      const scalar_t value = static_cast<scalar_t>(exact_div(static_cast<acc_t>(rest[t.segment->rest_offset + e]), divisor));
+      out[at] = value;
+      if (error != nullptr) error[at] -= value;
+    }
+    return;
+  }
+  __shared__ acc_t p_rows[kBackTileRows * R];
+  const BackTile t = back_tile(matrices, count, blockIdx.x);
+  load_p_rows<scalar_t, R>(p, t, p_rows);
+  const LowRankMatrix& m = *t.m;
+  const int r = static_cast<int>(m.rank);
+  double sums[2] = {0, 0};
+  if (t.col < m.cols) {
+    acc_t qk[R];  // as torch: Q divided by the world size and rounded first, then the product
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+      qk[c] = c < r ? static_cast<acc_t>(static_cast<scalar_t>(
+                          exact_div(static_cast<acc_t>(q[m.q_offset + t.col * r + c]), divisor)))
+                    : acc_t(0);
+    }
+    const int64_t base = m.offset + t.row0 * m.cols + t.col;
+#pragma unroll 8
+    for (int i = 0; i < t.rows; ++i) {
+      acc_t v = 0;
+#pragma unroll
+      for (int c = 0; c < R; ++c) {
+        if (c < r) v += p_rows[i * r + c] * qk[c];
+      }
+      const scalar_t value = static_cast<scalar_t>(v);
+      const int64_t at = base + i * m.cols;
+      if (norms != nullptr) {
+        const double before = static_cast<double>(error != nullptr ? error[at] : out[at]);
+        const double residual = before - static_cast<double>(value);
+        sums[0] += residual * residual;
+        sums[1] += before * before;
+      }
+      out[at] = value;
+      if (error != nullptr) error[at] -= value;
+    }
+  }
+  if (norms != nullptr) {  // the same for every thread of the block
+    __shared__ double totals[2];
+    block_sum<kBackTileCols>(sums, 2, totals);
+    if (threadIdx.x == 0) {
+      atomicAdd(norms, totals[0]);
+      atomicAdd(norms + 1, totals[1]);
+    }
   }
 }
 
@@ -253,16 +357,18 @@ int64_t count_of(const at::Tensor& table) { return table.size(0); }
 
 } // namespace
 
-void low_rank_project_cuda_(const at::Tensor& src, const at::Tensor& q, const at::Tensor& p, const LowRankPlan& plan) {
-  if (plan.total_rows() == 0) return;
+void low_rank_compress_cuda_(const at::Tensor& src, const at::Tensor& addend, const at::Tensor& q, const at::Tensor& p,
+                             const at::Tensor& rest, const LowRankPlan& plan) {
+  if (plan.row_groups() + plan.rest_tiles() == 0) return;
   const c10::cuda::CUDAGuard guard(src.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t blocks = blocks_for(plan.total_rows() * kWarp);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "low_rank_project", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "low_rank_compress", [&] {
     with_rank(plan.max_rank(), [&](auto rank) {
-      project_kernel<scalar_t, decltype(rank)::value><<<blocks, kThreads, 0, stream>>>(
-          src.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(), p.mutable_data_ptr<scalar_t>(),
-          entries_of<LowRankMatrix>(plan.matrix_table()), count_of(plan.matrix_table()), plan.total_rows());
+      compress_kernel<scalar_t, decltype(rank)::value><<<plan.row_groups() + plan.rest_tiles(), kThreads, 0, stream>>>(
+          src.mutable_data_ptr<scalar_t>(), addend.defined() ? addend.const_data_ptr<scalar_t>() : nullptr,
+          q.const_data_ptr<scalar_t>(), p.mutable_data_ptr<scalar_t>(), rest.mutable_data_ptr<scalar_t>(),
+          entries_of<LowRankMatrix>(plan.matrix_table()), count_of(plan.matrix_table()), plan.row_groups(),
+          entries_of<RestSegment>(plan.rest_table()), count_of(plan.rest_table()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -292,48 +398,49 @@ void low_rank_project_back_cuda_(const at::Tensor& src, const at::Tensor& p, con
 }
 
 void orthogonalize_cuda_(const at::Tensor& memory, const at::Tensor& factors, int64_t count, int64_t max_rank,
-                         double epsilon) {
+                         int64_t max_factor_numel, double epsilon) {
   if (count == 0) return;
   const c10::cuda::CUDAGuard guard(memory.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // Shared memory for staging, up to what a block may opt in to (less room for the sums).
+  const int64_t optin = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, memory.scalar_type(), "orthogonalize", [&] {
     using acc_t = at::acc_type<scalar_t, true>;
+    const int64_t room = std::max<int64_t>(0, optin - 16 * 1024) / static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t staged = std::min(max_factor_numel, room);
+    const size_t bytes = static_cast<size_t>(staged) * sizeof(scalar_t);
     with_rank(max_rank, [&](auto rank) {
-      orthogonalize_kernel<scalar_t, decltype(rank)::value><<<count, kThreads, 0, stream>>>(
-          memory.mutable_data_ptr<scalar_t>(), entries_of<FactorEntry>(factors), static_cast<acc_t>(epsilon));
+      constexpr int R = decltype(rank)::value;
+      constexpr int threads = R <= 8 ? 1024 : 256;  // the sums' registers bound the block above rank 8
+      auto kernel = orthogonalize_kernel<scalar_t, R, threads>;
+      if (bytes > 48 * 1024) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+      }
+      kernel<<<count, threads, bytes, stream>>>(memory.mutable_data_ptr<scalar_t>(), entries_of<FactorEntry>(factors),
+                                                static_cast<acc_t>(epsilon), staged);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
 }
 
-void low_rank_reconstruct_cuda_(const at::Tensor& p, const at::Tensor& q, int64_t divisor, const at::Tensor& out,
-                                const at::Tensor& error, const LowRankPlan& plan) {
-  if (plan.out_tiles() == 0) return;
+void low_rank_decompress_cuda_(const at::Tensor& p, const at::Tensor& q, const at::Tensor& rest, int64_t divisor,
+                               const at::Tensor& out, const at::Tensor& error, const at::Tensor& norms,
+                               const LowRankPlan& plan) {
+  if (plan.back_tiles() + plan.rest_tiles() == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "low_rank_reconstruct", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "low_rank_decompress", [&] {
     with_rank(plan.max_rank(), [&](auto rank) {
-      reconstruct_kernel<scalar_t, decltype(rank)::value><<<plan.out_tiles(), kThreads, 0, stream>>>(
-          p.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
+      decompress_kernel<scalar_t, decltype(rank)::value><<<plan.back_tiles() + plan.rest_tiles(), kBackTileCols, 0,
+                                                           stream>>>(
+          p.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(), rest.const_data_ptr<scalar_t>(),
           static_cast<at::acc_type<scalar_t, true>>(divisor), out.mutable_data_ptr<scalar_t>(),
           error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr,
-          entries_of<LowRankMatrix>(plan.matrix_table()), count_of(plan.matrix_table()));
+          norms.defined() ? norms.mutable_data_ptr<double>() : nullptr, entries_of<LowRankMatrix>(plan.matrix_table()),
+          count_of(plan.matrix_table()), plan.back_tiles(), entries_of<RestSegment>(plan.rest_table()),
+          count_of(plan.rest_table()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-  });
-}
-
-void move_rest_cuda_(const at::Tensor& from, const at::Tensor& to, int64_t divisor, const at::Tensor& error,
-                     bool gather, const LowRankPlan& plan) {
-  if (plan.rest_tiles() == 0) return;
-  const c10::cuda::CUDAGuard guard(to.device());
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, to.scalar_type(), "move_rest", [&] {
-    move_rest_kernel<scalar_t><<<plan.rest_tiles(), kThreads, 0, stream>>>(
-        from.const_data_ptr<scalar_t>(), to.mutable_data_ptr<scalar_t>(),
-        static_cast<at::acc_type<scalar_t, true>>(divisor), error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr, gather,
-        entries_of<RestSegment>(plan.rest_table()), count_of(plan.rest_table()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -37,7 +37,7 @@ void orthogonalize_(const at::Tensor& matrices, double epsilon) {
     at::Tensor table = at::empty({b, 4}, at::kLong);
     auto* entries = reinterpret_cast<FactorEntry*>(table.data_ptr<int64_t>());
     for (int64_t i = 0; i < b; ++i) entries[i] = FactorEntry{i * n * r, n, r};
-    orthogonalize_cuda_(matrices, table.to(matrices.device()), b, r, epsilon);
+    orthogonalize_cuda_(matrices.view(-1), table.to(matrices.device()), b, r, n * r, epsilon);
     return;
   }
 #endif

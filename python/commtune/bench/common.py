@@ -147,3 +147,30 @@ def timed_chunk(step, iters):
         return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
     return run, host_ms
+
+
+def profile_variants(steps, trace_dir, iters=5):
+    """Where each variant's time goes: the top CUDA kernels and host ops of each in one table
+    file, and one Chrome trace per variant (gzipped) to compare their timelines."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(trace_dir, exist_ok=True)
+    with open(os.path.join(trace_dir, "kernels.txt"), "w") as table:
+        for name, step in steps.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    step()
+                torch.cuda.synchronize()
+            table.write(f"== {name} ({iters} iterations)\n")
+            averages = prof.key_averages()
+            table.write(averages.table(sort_by="cuda_time_total", row_limit=40) + "\n")
+            table.write(averages.table(sort_by="cpu_time_total", row_limit=15) + "\n")
+            trace = os.path.join(trace_dir, "trace_" + "".join(c if c.isalnum() else "_" for c in name) + ".json")
+            prof.export_chrome_trace(trace)
+            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(trace)
+    print(f"profiles written to {trace_dir}")

@@ -6,7 +6,6 @@ ratios to the no-hook run. The cast kernel is also timed alone on a 100 MB bucke
 device-to-device copy of the same bytes.
 """
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import _C, hooks, registration
 from .common import (cuda_time_ms, environment, format_rows, init_gpu_process_group, interleaved, make_ddp,
-                     paired_ratios, summary, timed_chunk, training_step, write_results)
+                     paired_ratios, profile_variants, summary, timed_chunk, training_step, write_results)
 
 VARIANTS = {
     "no hook": None,
@@ -61,33 +60,6 @@ def cast_kernel_bandwidth(device, mbytes=100, iters=50):
     for row in rows.values():
         row["fraction_of_copy_bw"] = row["GBps"] / copy_bw
     return rows
-
-
-def profile_variants(steps, trace_dir, iters=5):
-    """Where each variant's time goes: the top CUDA kernels and host ops of each in one table
-    file, and one Chrome trace per variant (gzipped) to compare their timelines."""
-    import gzip
-    import shutil
-
-    from torch.profiler import ProfilerActivity, profile
-
-    os.makedirs(trace_dir, exist_ok=True)
-    with open(os.path.join(trace_dir, "kernels.txt"), "w") as table:
-        for name, step in steps.items():
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(iters):
-                    step()
-                torch.cuda.synchronize()
-            table.write(f"== {name} ({iters} iterations)\n")
-            averages = prof.key_averages()
-            table.write(averages.table(sort_by="cuda_time_total", row_limit=15) + "\n")
-            table.write(averages.table(sort_by="cpu_time_total", row_limit=15) + "\n")
-            trace = os.path.join(trace_dir, "trace_" + "".join(c if c.isalnum() else "_" for c in name) + ".json")
-            prof.export_chrome_trace(trace)
-            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.remove(trace)
-    print(f"profiles written to {trace_dir}")
 
 
 def main(argv=None):

@@ -7,6 +7,7 @@ with the same buckets, taken per repetition (median and range reported).
 """
 import argparse
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from .. import hooks, registration
-from .common import (environment, format_rows, init_gpu_process_group, interleaved, make_ddp, summary, timed_chunk,
-                     training_step, write_results)
+from .common import (environment, format_rows, init_gpu_process_group, interleaved, make_ddp, profile_variants,
+                     summary, timed_chunk, training_step, write_results)
 
 START_ITER = 2  # compression runs from the third iteration: every timed iteration compresses
 
@@ -62,7 +63,7 @@ def variants(ranks, buckets):
 
 def measure(model_name, device, args, say):
     factory, batch = MODELS[model_name]
-    runners, stats_of, host = {}, {}, {}
+    runners, stats_of, host, steps = {}, {}, {}, {}
     for name, (hook, mb, thread) in variants(args.ranks, args.buckets).items():
         torch.manual_seed(0)
         model, loss_of = factory(device, args.batch or batch)
@@ -75,11 +76,14 @@ def measure(model_name, device, args, say):
         for _ in range(args.warmup):
             step()
         runners[name], host[name] = timed_chunk(step, args.iters)
+        steps[name] = step
         if isinstance(hook, hooks.HookConfig):
             registration.handle_of(ddp).reset_stats()
             stats_of[name] = registration.handle_of(ddp)
         say(f"  built and warmed up: {model_name} / {name}")
     times = interleaved(runners, args.reps, progress=say)
+    if args.trace_dir and dist.get_rank() == 0:
+        profile_variants(steps, os.path.join(args.trace_dir, model_name))
     rows = {}
     for name, values in times.items():
         mb = variants(args.ranks, args.buckets)[name][1]
@@ -123,6 +127,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=12, help="timed iterations per repetition")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--out", default="benchmarks/results/powersgd.json")
+    p.add_argument("--trace-dir", default=None,
+                   help="also profile 5 iterations of each variant; tables of CUDA and host time in DIR/MODEL/kernels.txt")
     args = p.parse_args(argv)
     device = init_gpu_process_group(port=29534)
     rank = dist.get_rank()
