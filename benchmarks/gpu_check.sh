@@ -14,7 +14,7 @@ timeout 170 python -m pytest -q -rs -m needs_cuda tests 2>&1 | tee "$out/pytest_
 timeout 100 python benchmarks/hook_overhead.py --batch 256 --reps 5 --iters 10 --warmup 5 \
   --out "$out/hook_overhead_b256.json" 2>&1 | grep -E "PASS|FAIL|  [0-9]+\.[0-9]+  "
 # Issue 3: PowerSGD against torch's hook where the GPU sets the pace, with a profile of each variant.
-timeout 200 python benchmarks/powersgd.py --models resnet50 --ranks 4 --buckets 25 --batch 256 --reps 4 --iters 8 \
+timeout 280 python benchmarks/powersgd.py --models resnet50 --ranks 1 4 8 --buckets 25 1 --batch 256 --reps 3 --iters 8 \
   --warmup 5 --trace-dir /tmp/psgd --out "$out/powersgd_b256.json" 2>&1 | grep -E "PASS|FAIL| MB "
 cp /tmp/psgd/resnet50/kernels.txt "$out/powersgd_kernels.txt" 2>/dev/null
 cp /tmp/psgd/resnet50/trace_commtune_PowerSGD_r4__25_MB.json.gz "$out/" 2>/dev/null

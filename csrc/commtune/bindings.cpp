@@ -7,9 +7,11 @@
 #include <commtune/hooks/allreduce.h>
 #include <commtune/hooks/cast.h>
 #include <commtune/hooks/powersgd.h>
+#include <commtune/hooks/quantize.h>
 #include <commtune/kernels/cast_scale.h>
 #include <commtune/kernels/low_rank.h>
 #include <commtune/kernels/orthogonalize.h>
+#include <commtune/kernels/quantize.h>
 
 namespace py = pybind11;
 using namespace commtune;
@@ -113,6 +115,40 @@ PYBIND11_MODULE(_C, m) {
   def_register<AllReduceHook>(m, "register_allreduce");
   def_register<CastHook>(m, "register_cast");
   def_register<PowerSgdHook>(m, "register_powersgd");
+
+  using QuantizeOptions = QuantizeHook::Options;
+  py::class_<QuantizeOptions>(m, "QuantizeOptions")
+      .def(py::init<>())
+      .def_readwrite("chunk", &QuantizeOptions::chunk)
+      .def_readwrite("stochastic", &QuantizeOptions::stochastic)
+      .def_readwrite("error_feedback", &QuantizeOptions::error_feedback)
+      .def_readwrite("seed", &QuantizeOptions::seed)
+      .def_readwrite("min_size", &QuantizeOptions::min_size);
+  def_register<QuantizeHook>(m, "register_quantize");
+  // The quantized allreduce's passes on their own (kernel tests and benchmarks); see quantize.h.
+  m.def("quantize_layout", [](int64_t numel, int64_t ranks, int64_t chunk) {
+    const QuantizeLayout l = QuantizeLayout::of(numel, ranks, chunk);
+    return py::make_tuple(l.shard, l.piece_bytes());
+  }, py::arg("numel"), py::arg("ranks"), py::arg("chunk"), "(elements per shard, bytes per encoded shard)");
+  m.def("quantize_shards_",
+        [](const at::Tensor& src, const std::optional<at::Tensor>& error, const at::Tensor& packed, int64_t ranks,
+           int64_t chunk, int64_t draws) {
+          quantize_shards_(src, error.value_or(at::Tensor()), packed, QuantizeLayout::of(src.numel(), ranks, chunk),
+                           draws);
+        },
+        py::arg("src"), py::arg("error"), py::arg("packed"), py::arg("ranks"), py::arg("chunk"), py::arg("draws") = -1);
+  m.def("reduce_shard_",
+        [](const at::Tensor& received, const at::Tensor& piece, int64_t numel, int64_t ranks, int64_t chunk,
+           int64_t divisor, int64_t draws) {
+          reduce_shard_(received, piece, QuantizeLayout::of(numel, ranks, chunk), divisor, draws);
+        },
+        py::arg("received"), py::arg("piece"), py::arg("numel"), py::arg("ranks"), py::arg("chunk"),
+        py::arg("divisor"), py::arg("draws") = -1);
+  m.def("dequantize_shards_",
+        [](const at::Tensor& packed, const at::Tensor& out, int64_t ranks, int64_t chunk) {
+          dequantize_shards_(packed, out, QuantizeLayout::of(out.numel(), ranks, chunk));
+        },
+        py::arg("packed"), py::arg("out"), py::arg("ranks"), py::arg("chunk"));
 
   m.def("cast_scale", &cast_scale, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         "(src * scale) cast to dtype in one pass");

@@ -178,4 +178,21 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::allreduce_mean(at::Tensor& tensor)
   return process_group()->allreduce(tensors, options)->getFuture();
 }
 
+void Hook::after_on_side_stream(const at::Tensor& like, const c10::intrusive_ptr<c10::ivalue::Future>& done,
+                                const std::function<void()>& work) {
+  std::optional<c10::StreamGuard> side;
+  if (!like.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(like.device().type());
+    side.emplace(impl.getStreamFromGlobalPool(like.device()));
+  }
+  done->wait();
+  work();
+}
+
+void record_on_current_stream(const at::Tensor& t) {
+  if (!t.defined() || t.is_cpu()) return;
+  c10::impl::VirtualGuardImpl impl(t.device().type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), impl.getStream(t.device()));
+}
+
 } // namespace commtune

@@ -81,6 +81,10 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   // Mean-allreduces `tensor` in place. On NCCL the 1/world_size factor rides in
   // the collective (PREMUL_SUM); elsewhere one scale pass runs first.
   c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(at::Tensor& tensor) const;
+  // Runs `work` once `done` has completed. On a GPU it is queued on a side stream that waits
+  // for `done`, so the stream of backward (and of `like`) does not; on CPU the host waits.
+  static void after_on_side_stream(const at::Tensor& like, const c10::intrusive_ptr<c10::ivalue::Future>& done,
+                                   const std::function<void()>& work);
 
  private:
   bool backend_is_nccl(const at::Tensor& tensor) const;
@@ -96,6 +100,10 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   std::unique_ptr<LaunchThread> launcher_;
   std::optional<c10::Stream> launch_stream_;  // the launch thread's stream, per hook
 };
+
+// Lets the caching allocator reuse a tensor's memory only after the work queued so far on the
+// current stream (for tensors a hook uses on streams other than the one they were made on).
+void record_on_current_stream(const at::Tensor& t);
 
 // Keeps the reducer, which owns the hook, alive for as long as Python holds it.
 struct HookHandle {

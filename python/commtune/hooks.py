@@ -54,6 +54,38 @@ class Cast(HookConfig):
 
 
 
+@dataclass(frozen=True)
+class Quantize(HookConfig):
+    """8-bit quantized mean (see README): per-chunk absmax codes, an all-to-all of shards, each
+    rank averaging and re-encoding its own shard, an all-gather. Buckets under `min_size` bytes
+    go as a plain mean allreduce."""
+
+    bits: int = 8
+    chunk: int = 1024
+    stochastic: bool = True
+    error_feedback: bool = True
+    seed: int = 0
+    min_size: int = 1 << 16
+    name = "Quantize"
+
+    def validate(self):
+        if self.bits != 8:
+            raise ValueError(f"Quantize: bits must be 8 (4-bit packing and fp8 are not built yet), got {self.bits!r}")
+        if not _is_int(self.chunk) or not 4 <= self.chunk <= 8192 or self.chunk % 4:
+            raise ValueError(f"Quantize: chunk must be a multiple of 4 between 4 and 8192, got {self.chunk!r}")
+        for flag in ("stochastic", "error_feedback"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Quantize: {flag} must be True or False, got {getattr(self, flag)!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"Quantize: seed must be an integer >= 0, got {self.seed!r}")
+        if not _is_int(self.min_size) or self.min_size < 0:
+            raise ValueError(f"Quantize: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
+
+    def _register(self, reducer, process_group):
+        options = _C.QuantizeOptions()
+        for field in ("chunk", "stochastic", "error_feedback", "seed", "min_size"):
+            setattr(options, field, getattr(self, field))
+        return _C.register_quantize(reducer, process_group, options)
 
 
 def _is_int(v):

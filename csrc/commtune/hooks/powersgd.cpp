@@ -2,7 +2,6 @@
 
 #include <commtune/kernels/low_rank.h>
 
-#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -19,13 +18,6 @@ struct Shape {
   int64_t rows, cols;
   bool operator<(const Shape& o) const { return rows != o.rows ? rows < o.rows : cols < o.cols; }
 };
-
-// Lets the caching allocator reuse a tensor's memory only after the current stream's work.
-void record_on_current_stream(const at::Tensor& t) {
-  if (!t.defined() || t.is_cpu()) return;
-  c10::impl::VirtualGuardImpl impl(t.device().type());
-  impl.recordDataPtrOnStream(t.storage().data_ptr(), impl.getStream(t.device()));
-}
 
 } // namespace
 
@@ -175,19 +167,11 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   // Collectives in the same order on every rank: P with the rest, then Q.
   auto p_future = allreduce_sum(p_and_rest);
   c10::intrusive_ptr<c10::ivalue::Future> q_future;
-  {
-    // On a GPU the rest of the work goes to a side stream that waits for P's allreduce, so
-    // backward's stream does not; on CPU the host waits (gloo).
-    std::optional<c10::StreamGuard> side;
-    if (!buffer.is_cpu()) {
-      c10::impl::VirtualGuardImpl impl(buffer.device().type());
-      side.emplace(impl.getStreamFromGlobalPool(buffer.device()));
-    }
-    p_future->wait();
+  after_on_side_stream(buffer, p_future, [&] {
     orthogonalize_factors_(state.p_memory, Factor::P, eps, plan);
     low_rank_project_back_(input, state.p_memory, state.q_memory, plan);
     q_future = allreduce_sum(state.q_memory);
-  }
+  });
 
   const int64_t n = world_size();
   const bool error_feedback = options_.error_feedback, warm_start = options_.warm_start;

@@ -1,0 +1,67 @@
+#include <commtune/hooks/quantize.h>
+
+
+namespace commtune {
+
+QuantizeHook::QuantizeHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options)
+    : Hook(std::move(process_group), "Quantize"), options_(options) {
+  TORCH_CHECK(options_.chunk >= 4 && options_.chunk <= 8192 && options_.chunk % 4 == 0,
+              "commtune.Quantize: chunk must be a multiple of 4 between 4 and 8192, got ", options_.chunk);
+  TORCH_CHECK(options_.min_size >= 0, "commtune.Quantize: min_size must be >= 0 bytes");
+}
+
+int64_t QuantizeHook::draws(const c10d::GradBucket& bucket, int64_t pass) const {
+  if (!options_.stochastic) return -1;
+  uint64_t z = quant::mix(static_cast<uint64_t>(options_.seed) ^ 0x5175616E74697A65ull);
+  for (uint64_t word : {static_cast<uint64_t>(iteration()), static_cast<uint64_t>(bucket.getIndex()),
+                        static_cast<uint64_t>(process_group()->getRank()), static_cast<uint64_t>(pass)}) {
+    z = quant::mix(z ^ word);
+  }
+  return static_cast<int64_t>(z >> 1);
+}
+
+Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
+  at::Tensor buffer = bucket.getBufferRef();
+  if (static_cast<int64_t>(buffer.nbytes()) < options_.min_size) {
+    return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+  }
+  const int64_t n = world_size();
+  const QuantizeLayout layout = QuantizeLayout::of(buffer.numel(), n, options_.chunk);
+  at::Tensor error;
+  if (options_.error_feedback) {
+    error = errors_.of(bucket, [this](const at::Tensor& p) { return parameter_index(p); });
+    error.add_(buffer);  // what is sent this time: the gradients and what the last encoding lost
+  }
+  const at::TensorOptions bytes = buffer.options().dtype(at::kByte);
+  at::Tensor packed = at::empty({n * layout.piece_bytes()}, bytes);
+  quantize_shards_(error.defined() ? error : buffer, error, packed, layout, draws(bucket, 0));
+
+  at::Tensor received = at::empty_like(packed);
+  std::vector<int64_t> equal_splits;  // empty: n equal parts
+  auto sent = process_group()->alltoall_base(received, packed, equal_splits, equal_splits)->getFuture();
+  at::Tensor gathered = at::empty_like(packed);
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  after_on_side_stream(buffer, sent, [&] {
+    at::Tensor mine = at::empty({layout.piece_bytes()}, bytes);
+    reduce_shard_(received, mine, layout, n, draws(bucket, 1));
+    future = process_group()->_allgather_base(gathered, mine)->getFuture();
+  });
+  auto finish = [buffer, gathered, received, layout](const at::Tensor&) mutable {
+    dequantize_shards_(gathered, buffer, layout);
+    record_on_current_stream(gathered);
+    record_on_current_stream(received);  // read on the side stream, which this one is behind
+    return buffer;
+  };
+  // Each collective moves the quantized bucket once, as a ring allreduce does the full one.
+  return Launch{std::move(future), std::move(finish), n * layout.piece_bytes()};
+}
+
+void QuantizeHook::load_state(const StateDict& state) {
+  for (const auto& [key, value] : state) {
+    TORCH_CHECK(key == "iteration" || key.rfind("error.", 0) == 0, "commtune.Quantize: unknown state_dict entry '",
+                key, "'");
+  }
+  errors_.load(state);
+}
+
+} // namespace commtune

@@ -1,0 +1,36 @@
+#pragma once
+#include <commtune/error_buffers.h>
+#include <commtune/hook.h>
+#include <commtune/kernels/quantize.h>
+
+namespace commtune {
+
+// 8-bit quantized mean: per-chunk absmax codes exchanged as an all-to-all of shards, each
+// rank averaging its own shard and re-encoding it, then an all-gather (each rank sends about
+// 2(n-1)/n of the quantized bucket, as a ring allreduce does of the full one). With error
+// feedback the first encoding's error is added to the next iteration's gradients.
+class QuantizeHook : public Hook {
+ public:
+  struct Options {
+    int64_t chunk = 1024;  // elements per scale
+    bool stochastic = true;  // unbiased stochastic rounding; off: round to nearest
+    bool error_feedback = true;
+    int64_t seed = 0;
+    int64_t min_size = 1 << 16;  // buckets under this many bytes go as a plain mean allreduce
+  };
+  QuantizeHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options);
+
+ protected:
+  Launch communicate(c10d::GradBucket& bucket) override;
+  void save_state(StateDict& state) const override { errors_.save(state); }
+  void load_state(const StateDict& state) override;
+
+ private:
+  // The rounding draws' seed for one pass of one bucket on this rank (-1: round to nearest).
+  int64_t draws(const c10d::GradBucket& bucket, int64_t pass) const;
+
+  Options options_;
+  ErrorBuffers errors_;
+};
+
+} // namespace commtune

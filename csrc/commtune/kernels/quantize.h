@@ -1,0 +1,45 @@
+#pragma once
+// 8-bit quantized allreduce in three passes (the Quantize hook): every rank encodes its bucket
+// as `ranks` shards and sends shard s to rank s (all-to-all); each rank decodes, averages and
+// re-encodes its own shard; the encoded shards are all-gathered and decoded into the bucket.
+// A shard travels as one piece: `shard` int8 codes, then one float scale per chunk.
+#include <ATen/ATen.h>
+
+#include <commtune/kernels/quantize_rules.h>
+
+#include <cstdint>
+
+namespace commtune {
+
+struct QuantizeLayout {
+  int64_t numel = 0;  // of the bucket
+  int64_t ranks = 1;
+  int64_t chunk = 1024;  // elements per scale
+  int64_t shard = 0;  // elements per shard: ceil(numel / ranks), rounded up to whole chunks
+
+  static QuantizeLayout of(int64_t numel, int64_t ranks, int64_t chunk);
+  COMMTUNE_HD int64_t chunks_per_shard() const { return shard / chunk; }
+  COMMTUNE_HD int64_t piece_bytes() const { return shard + 4 * chunks_per_shard(); }
+};
+
+// Encodes src (zeros past numel) into `packed` (uint8, ranks * piece_bytes). With `error`
+// defined (may be src itself), error = src - decoded. `draws`: a seed for stochastic rounding,
+// or -1 for rounding to nearest.
+void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
+                      const QuantizeLayout& layout, int64_t draws);
+// Decodes the `ranks` pieces of one shard in `received` (ranks * piece_bytes), sums them in
+// rank order, divides by `divisor` and encodes the result into `piece` (piece_bytes).
+void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const QuantizeLayout& layout,
+                   int64_t divisor, int64_t draws);
+// Decodes the gathered pieces (ranks * piece_bytes) into out's first numel elements.
+void dequantize_shards_(const at::Tensor& packed, const at::Tensor& out, const QuantizeLayout& layout);
+
+#ifdef COMMTUNE_WITH_CUDA
+void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
+                           const QuantizeLayout& layout, int64_t draws);
+void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, const QuantizeLayout& layout,
+                        int64_t divisor, int64_t draws);
+void dequantize_shards_cuda_(const at::Tensor& packed, const at::Tensor& out, const QuantizeLayout& layout);
+#endif
+
+} // namespace commtune
