@@ -9,6 +9,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdint>
+#include <initializer_list>
+
 namespace commtune {
 namespace {
 
@@ -28,16 +31,6 @@ __device__ float block_absmax(const float* values, int64_t n) {
   return total;
 }
 
-// Encodes the chunk in shared memory into `codes`; returns its scale (every thread).
-__device__ float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t draws, int8_t* codes) {
-  const float scale = quant::scale_of(block_absmax(values, n)), inverse = quant::inverse(scale);
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) {
-    const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j);
-    codes[j] = quant::encode(values[j], inverse, draw);
-  }
-  return scale;
-}
-
 __device__ __forceinline__ int8_t* codes_of(uint8_t* packed, const QuantizeLayout& l, int64_t s, int64_t c) {
   return reinterpret_cast<int8_t*>(packed + s * l.piece_bytes() + c * l.chunk);
 }
@@ -45,50 +38,120 @@ __device__ __forceinline__ float* scale_at(uint8_t* packed, const QuantizeLayout
   return reinterpret_cast<float*>(packed + s * l.piece_bytes() + l.shard) + c;
 }
 
+// Four consecutive elements, loaded and stored as one access.
+template <typename T>
+struct alignas(sizeof(T) * 4) Four {
+  T v[4];
+};
+
+// values[j..j+3] = src[at..at+3] (zeros past numel), one vector load where all four exist.
+template <typename scalar_t>
+__device__ __forceinline__ void load_four(const scalar_t* __restrict__ src, int64_t at, int64_t numel, bool vector,
+                                          float* values) {
+  if (vector && at + 3 < numel) {
+    const Four<scalar_t> x = *reinterpret_cast<const Four<scalar_t>*>(src + at);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) values[k] = static_cast<float>(x.v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) values[k] = at + k < numel ? static_cast<float>(src[at + k]) : 0.0f;
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ void store_four(scalar_t* __restrict__ dst, int64_t at, int64_t numel, bool vector,
+                                           const float* values) {
+  if (vector && at + 3 < numel) {
+    Four<scalar_t> x;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x.v[k] = static_cast<scalar_t>(values[k]);
+    *reinterpret_cast<Four<scalar_t>*>(dst + at) = x;
+  } else {
+    for (int k = 0; k < 4 && at + k < numel; ++k) dst[at + k] = static_cast<scalar_t>(values[k]);
+  }
+}
+
+// Encodes four values of the chunk held in shared memory into one 32-bit store of codes.
+__device__ __forceinline__ void encode_four(const float* values, int64_t j, uint64_t first_index, int64_t draws,
+                                            float inverse, int8_t* codes) {
+  Four<int8_t> c;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
+    c.v[k] = quant::encode(values[j + k], inverse, draw);
+  }
+  *reinterpret_cast<Four<int8_t>*>(codes + j) = c;
+}
+
+// Chunks are whole multiples of 4 elements and codes start 4-byte aligned (QuantizeLayout).
 template <typename scalar_t>
 __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ packed,
-                                QuantizeLayout l, int64_t draws) {
+                                QuantizeLayout l, int64_t draws, bool vector) {
   extern __shared__ float values[];
   const int64_t s = blockIdx.x / l.chunks_per_shard(), c = blockIdx.x % l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
-  for (int64_t j = threadIdx.x; j < l.chunk; j += kThreads) {
-    values[j] = first + j < l.numel ? static_cast<float>(src[first + j]) : 0.0f;
-  }
+  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) load_four(src, first + j, l.numel, vector, values + j);
   __syncthreads();
   int8_t* codes = codes_of(packed, l, s, c);
-  const float scale = encode_chunk(values, l.chunk, first, draws, codes);
-  if (threadIdx.x == 0) *scale_at(packed, l, s, c) = scale;
-  if (error == nullptr) return;
-  for (int64_t j = threadIdx.x; j < l.chunk && first + j < l.numel; j += kThreads) {
-    error[first + j] = static_cast<scalar_t>(quant::add(values[j], -quant::decode(codes[j], scale)));
+  const float scale = quant::scale_of(block_absmax(values, l.chunk)), inverse = quant::inverse(scale);
+  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
+    encode_four(values, j, first, draws, inverse, codes);
+    if (error != nullptr) {
+      float rest[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[j + k], -quant::decode(codes[j + k], scale));
+      store_four(error, first + j, l.numel, vector, rest);
+    }
   }
+  if (threadIdx.x == 0) *scale_at(packed, l, s, c) = scale;
 }
 
 __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                               float divisor, int64_t draws) {
   extern __shared__ float values[];
   const int64_t c = blockIdx.x;
-  for (int64_t j = threadIdx.x; j < l.chunk; j += kThreads) {
-    float sum = 0.0f;
+  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t r = 0; r < l.ranks; ++r) {
-      sum = quant::add(sum, quant::decode(codes_of(received, l, r, c)[j], *scale_at(received, l, r, c)));
+      const Four<int8_t> codes = *reinterpret_cast<const Four<int8_t>*>(codes_of(received, l, r, c) + j);
+      const float scale = *scale_at(received, l, r, c);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], quant::decode(codes.v[k], scale));
     }
-    values[j] = quant::div(sum, divisor);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) values[j + k] = quant::div(sum[k], divisor);
   }
   __syncthreads();
-  const float scale = encode_chunk(values, l.chunk, c * l.chunk, draws, codes_of(piece, l, 0, c));
+  const float scale = quant::scale_of(block_absmax(values, l.chunk)), inverse = quant::inverse(scale);
+  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
+    encode_four(values, j, c * l.chunk, draws, inverse, codes_of(piece, l, 0, c));
+  }
   if (threadIdx.x == 0) *scale_at(piece, l, 0, c) = scale;
 }
 
 template <typename scalar_t>
-__global__ void dequantize_kernel(uint8_t* __restrict__ packed, scalar_t* __restrict__ out, QuantizeLayout l) {
+__global__ void dequantize_kernel(uint8_t* __restrict__ packed, scalar_t* __restrict__ out, QuantizeLayout l,
+                                  bool vector) {
   const int64_t s = blockIdx.x / l.chunks_per_shard(), c = blockIdx.x % l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
   const int8_t* codes = codes_of(packed, l, s, c);
   const float scale = *scale_at(packed, l, s, c);
-  for (int64_t j = threadIdx.x; j < l.chunk && first + j < l.numel; j += kThreads) {
-    out[first + j] = static_cast<scalar_t>(quant::decode(codes[j], scale));
+  for (int64_t j = 4 * threadIdx.x; j < l.chunk && first + j < l.numel; j += 4 * kThreads) {
+    const Four<int8_t> four = *reinterpret_cast<const Four<int8_t>*>(codes + j);
+    float values[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) values[k] = quant::decode(four.v[k], scale);
+    store_four(out, first + j, l.numel, vector, values);
   }
+}
+
+// Whether every access of four elements from these pointers can be one vector access.
+template <typename scalar_t>
+bool four_aligned(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % (4 * sizeof(scalar_t)) != 0) return false;
+  }
+  return true;
 }
 
 size_t chunk_bytes(const QuantizeLayout& l) { return static_cast<size_t>(l.chunk) * sizeof(float); }
@@ -100,9 +163,10 @@ void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const
   const c10::cuda::CUDAGuard guard(src.device());
   const int64_t blocks = layout.ranks * layout.chunks_per_shard();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "quantize_shards", [&] {
+    const scalar_t* in = src.const_data_ptr<scalar_t>();
+    scalar_t* err = error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr;
     quantize_kernel<scalar_t><<<blocks, kThreads, chunk_bytes(layout), at::cuda::getCurrentCUDAStream()>>>(
-        src.const_data_ptr<scalar_t>(), error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr,
-        packed.mutable_data_ptr<uint8_t>(), layout, draws);
+        in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, four_aligned<scalar_t>({in, err}));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -120,8 +184,9 @@ void dequantize_shards_cuda_(const at::Tensor& packed, const at::Tensor& out, co
   const c10::cuda::CUDAGuard guard(out.device());
   const int64_t blocks = layout.ranks * layout.chunks_per_shard();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dequantize_shards", [&] {
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     dequantize_kernel<scalar_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        packed.mutable_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), layout);
+        packed.mutable_data_ptr<uint8_t>(), dst, layout, four_aligned<scalar_t>({dst}));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
