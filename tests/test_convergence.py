@@ -22,7 +22,8 @@ def _data(seed, n):
 def train(rank, world_size, hook_name):
     import commtune as ct
 
-    hooks = {"none": ct.hooks.AllReduce(), "Quantize": ct.hooks.Quantize(min_size=0, chunk=256)}
+    hooks = {"none": ct.hooks.AllReduce(), "Quantize": ct.hooks.Quantize(min_size=0, chunk=256),
+             "SignSGD": ct.hooks.SignSGD(min_size=0, chunk=256)}
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
                                 torch.nn.ReLU(), torch.nn.Linear(128, CLASSES))
@@ -48,7 +49,12 @@ def test_uncompressed_training_learns_the_task():
     assert accuracy("none") > 80  # far above chance (25%): the task tells compressors apart
 
 
-@pytest.mark.parametrize("compressor", ["Quantize"])
+# SignSGD with error feedback falls short here: 86.5% against 88.1% (chunks of 32 or 1024
+# elements: 85.7%, 84.3%). Kept as a strict expected failure so that a fix shows.
+SIGN_SHORT = pytest.mark.xfail(strict=True, reason="EF-SignSGD reaches 86.5% vs 88.1% uncompressed at this budget")
+
+
+@pytest.mark.parametrize("compressor", ["Quantize", pytest.param("SignSGD", marks=SIGN_SHORT)])
 def test_compressed_training_with_error_feedback_matches_uncompressed(compressor, record_property):
     base, ours = accuracy("none"), accuracy(compressor)
     record_property("uncompressed_accuracy", base)

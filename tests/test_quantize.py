@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
+import compression_runs
 import distributed
 from commtune import _C
 from conftest import DEVICES, cuda_world_size, needs_cuda
@@ -88,52 +88,7 @@ def test_cuda_and_cpu_kernels_give_the_same_bits(dtype):
 
 # ---- the hook through DDP -------------------------------------------------------------------
 
-CHUNK = 256
-
-
-def _model(device="cpu"):
-    torch.manual_seed(0)
-    # one bucket of 21000 gradients: padding in the last shard
-    return torch.nn.Linear(300, 70, bias=False).to(device)
-
-
-def _step(ddp, local, rank, step):
-    x = torch.randn(16, 300, generator=torch.Generator().manual_seed(1000 * step + rank)).to(local.weight.device)
-    ddp.zero_grad()
-    ddp(x).square().mean().backward()
-    local.zero_grad()
-    local(x).square().mean().backward()
-    parts = [torch.empty_like(local.weight.grad) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local.weight.grad)
-    return ddp.module.weight.grad.detach().cpu().view(-1), [p.cpu().view(-1) for p in parts]
-
-
-def hook_run(rank, world_size, steps, stochastic, device="cpu"):
-    import commtune as ct
-
-    hook = ct.hooks.Quantize(chunk=CHUNK, stochastic=stochastic, min_size=0)
-    ids = [torch.cuda.current_device()] if device == "cuda" else None
-    ddp, local = ct.wrap(_model(device), hook=hook, device_ids=ids), _model(device)
-    out = [_step(ddp, local, rank, s) for s in range(steps)]
-    return {"steps": out, "stats": ct.stats(ddp), "state": ct.handle_of(ddp).state_dict()}
-
-
-def resume_run(rank, world_size, steps, split):
-    """Gradients of an uninterrupted run and of one stopped after `split` steps and resumed
-    from state_dict in a new DDP."""
-    import commtune as ct
-
-    hook = ct.hooks.Quantize(chunk=CHUNK, min_size=0)
-    local = _model()
-    whole = ct.wrap(_model(), hook=hook)
-    straight = [_step(whole, local, rank, s)[0] for s in range(steps)]
-    first = ct.wrap(_model(), hook=hook)
-    for s in range(split):
-        _step(first, local, rank, s)
-    second = ct.wrap(_model(), hook=hook)
-    ct.handle_of(second).load_state_dict(ct.handle_of(first).state_dict())
-    resumed = [_step(second, local, rank, s)[0] for s in range(split, steps)]
-    return {"straight": straight[split:], "resumed": resumed}
+CHUNK = compression_runs.CHUNK
 
 
 def simulate(steps_locals, world, chunk):
@@ -159,7 +114,7 @@ def simulate(steps_locals, world, chunk):
 
 @functools.lru_cache(maxsize=None)
 def run(world_size, stochastic):
-    return distributed.run(hook_run, world_size, 4, stochastic)
+    return distributed.run(compression_runs.hook_run, world_size, 4, "Quantize" if stochastic else "Quantize-nearest")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -175,7 +130,7 @@ def test_hook_equals_the_simulated_scheme(world_size):
 @pytest.mark.needs_cuda
 def test_hook_on_nccl_equals_the_simulated_scheme():
     world = cuda_world_size()
-    results = distributed.run(hook_run, world, 4, False, "cuda", backend="nccl")
+    results = distributed.run(compression_runs.hook_run, world, 4, "Quantize-nearest", "cuda", backend="nccl")
     expected = simulate([grads for _, grads in results[0]["steps"]], world, CHUNK)
     for r in results:
         for (ours, _), theirs in zip(r["steps"], expected):
@@ -203,7 +158,7 @@ def test_counters_count_the_quantized_bytes(world_size):
 
 
 def test_state_dict_carries_the_error_and_resumes_bit_for_bit():
-    results = distributed.run(resume_run, 2, 5, 3)
+    results = distributed.run(compression_runs.resume_run, 2, 5, 3, "Quantize")
     for r in results:
         for a, b in zip(r["straight"], r["resumed"]):
             assert torch.equal(a, b)

@@ -8,10 +8,12 @@
 #include <commtune/hooks/cast.h>
 #include <commtune/hooks/powersgd.h>
 #include <commtune/hooks/quantize.h>
+#include <commtune/hooks/sign_sgd.h>
 #include <commtune/kernels/cast_scale.h>
 #include <commtune/kernels/low_rank.h>
 #include <commtune/kernels/orthogonalize.h>
 #include <commtune/kernels/quantize.h>
+#include <commtune/kernels/sign.h>
 
 namespace py = pybind11;
 using namespace commtune;
@@ -125,6 +127,27 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("seed", &QuantizeOptions::seed)
       .def_readwrite("min_size", &QuantizeOptions::min_size);
   def_register<QuantizeHook>(m, "register_quantize");
+
+  using SignSgdOptions = SignSgdHook::Options;
+  py::class_<SignSgdOptions>(m, "SignSgdOptions")
+      .def(py::init<>())
+      .def_readwrite("chunk", &SignSgdOptions::chunk)
+      .def_readwrite("error_feedback", &SignSgdOptions::error_feedback)
+      .def_readwrite("min_size", &SignSgdOptions::min_size);
+  def_register<SignSgdHook>(m, "register_signsgd");
+  // The sign compression's passes on their own (kernel tests); see sign.h.
+  m.def("sign_piece_bytes", [](int64_t numel, int64_t chunk) { return SignLayout::of(numel, chunk).piece_bytes(); },
+        py::arg("numel"), py::arg("chunk"));
+  m.def("sign_encode_",
+        [](const at::Tensor& src, const std::optional<at::Tensor>& error, const at::Tensor& piece, int64_t chunk) {
+          sign_encode_(src, error.value_or(at::Tensor()), piece, SignLayout::of(src.numel(), chunk));
+        },
+        py::arg("src"), py::arg("error"), py::arg("piece"), py::arg("chunk"));
+  m.def("sign_decode_mean_",
+        [](const at::Tensor& gathered, const at::Tensor& out, int64_t ranks, int64_t chunk) {
+          sign_decode_mean_(gathered, out, ranks, SignLayout::of(out.numel(), chunk));
+        },
+        py::arg("gathered"), py::arg("out"), py::arg("ranks"), py::arg("chunk"));
   // The quantized allreduce's passes on their own (kernel tests and benchmarks); see quantize.h.
   m.def("quantize_layout", [](int64_t numel, int64_t ranks, int64_t chunk) {
     const QuantizeLayout l = QuantizeLayout::of(numel, ranks, chunk);

@@ -44,10 +44,14 @@ void ErrorBuffers::save(std::map<std::string, at::Tensor>& state) const {
   }
 }
 
-void ErrorBuffers::load(const std::map<std::string, at::Tensor>& state) {
+void ErrorBuffers::load(const std::map<std::string, at::Tensor>& state, const std::string& hook) {
+  const std::string prefix = "error.";
+  for (const auto& [key, value] : state) {
+    TORCH_CHECK(key == "iteration" || key.rfind(prefix, 0) == 0, "commtune.", hook, ": unknown state_dict entry '",
+                key, "'");
+  }
   buckets_.clear();
   kept_.clear();
-  const std::string prefix = "error.";
   for (const auto& [key, value] : state) {
     if (key.rfind(prefix, 0) == 0) kept_[std::stoll(key.substr(prefix.size()))] = value.clone();
   }

@@ -2,6 +2,8 @@
 // Error-feedback memory of a compressing hook: one buffer per bucket, laid out as the bucket,
 // kept per parameter when DDP rebuilds its buckets and in state_dict (DDP's bucket layout
 // differs between runs, the parameters do not).
+#include <commtune/hook.h>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -21,8 +23,8 @@ class ErrorBuffers {
   at::Tensor& of(c10d::GradBucket& bucket, const ParameterIndex& index_of);
   // Entries "error.<parameter index>".
   void save(std::map<std::string, at::Tensor>& state) const;
-  // Takes the "error.*" entries; others are left to the caller.
-  void load(const std::map<std::string, at::Tensor>& state);
+  // Takes the "error.*" entries; refuses any other but "iteration" (in `hook`'s name).
+  void load(const std::map<std::string, at::Tensor>& state, const std::string& hook);
 
  private:
   struct Slot {
@@ -39,6 +41,24 @@ class ErrorBuffers {
 
   std::unordered_map<size_t, Bucket> buckets_;
   std::unordered_map<int64_t, at::Tensor> kept_;
+};
+
+// Base of the hooks that send a lossy encoding with error feedback: the buffers, kept in
+// state_dict per parameter.
+class ErrorFeedbackHook : public Hook {
+ protected:
+  using Hook::Hook;
+  void save_state(StateDict& state) const override { errors_.save(state); }
+  void load_state(const StateDict& state) override { errors_.load(state, name()); }
+  // The bucket's error buffer after adding the bucket to it: what is to be sent this time.
+  at::Tensor add_to_error(c10d::GradBucket& bucket) {
+    at::Tensor& error = errors_.of(bucket, [this](const at::Tensor& p) { return parameter_index(p); });
+    error.add_(bucket.getBufferRef());
+    return error;
+  }
+
+ private:
+  ErrorBuffers errors_;
 };
 
 } // namespace commtune

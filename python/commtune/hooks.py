@@ -88,6 +88,32 @@ class Quantize(HookConfig):
         return _C.register_quantize(reducer, process_group, options)
 
 
+@dataclass(frozen=True)
+class SignSGD(HookConfig):
+    """1-bit SignSGD with error feedback (see README): signs and one scale (the mean absolute
+    value) per chunk, all-gathered and averaged. Buckets under `min_size` bytes go as a plain
+    mean allreduce."""
+
+    error_feedback: bool = True
+    chunk: int = 1024
+    min_size: int = 1 << 16
+    name = "SignSGD"
+
+    def validate(self):
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"SignSGD: error_feedback must be True or False, got {self.error_feedback!r}")
+        if not _is_int(self.chunk) or self.chunk < 32 or self.chunk % 32:
+            raise ValueError(f"SignSGD: chunk must be a positive multiple of 32, got {self.chunk!r}")
+        if not _is_int(self.min_size) or self.min_size < 0:
+            raise ValueError(f"SignSGD: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
+
+    def _register(self, reducer, process_group):
+        options = _C.SignSgdOptions()
+        for field in ("chunk", "error_feedback", "min_size"):
+            setattr(options, field, getattr(self, field))
+        return _C.register_signsgd(reducer, process_group, options)
+
+
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -4,7 +4,7 @@
 namespace commtune {
 
 QuantizeHook::QuantizeHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options)
-    : Hook(std::move(process_group), "Quantize"), options_(options) {
+    : ErrorFeedbackHook(std::move(process_group), "Quantize"), options_(options) {
   TORCH_CHECK(options_.chunk >= 4 && options_.chunk <= 8192 && options_.chunk % 4 == 0,
               "commtune.Quantize: chunk must be a multiple of 4 between 4 and 8192, got ", options_.chunk);
   TORCH_CHECK(options_.min_size >= 0, "commtune.Quantize: min_size must be >= 0 bytes");
@@ -29,8 +29,7 @@ Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
   const QuantizeLayout layout = QuantizeLayout::of(buffer.numel(), n, options_.chunk);
   at::Tensor error;
   if (options_.error_feedback) {
-    error = errors_.of(bucket, [this](const at::Tensor& p) { return parameter_index(p); });
-    error.add_(buffer);  // what is sent this time: the gradients and what the last encoding lost
+    error = add_to_error(bucket);
   }
   const at::TensorOptions bytes = buffer.options().dtype(at::kByte);
   at::Tensor packed = at::empty({n * layout.piece_bytes()}, bytes);
@@ -54,14 +53,6 @@ Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
   };
   // Each collective moves the quantized bucket once, as a ring allreduce does the full one.
   return Launch{std::move(future), std::move(finish), n * layout.piece_bytes()};
-}
-
-void QuantizeHook::load_state(const StateDict& state) {
-  for (const auto& [key, value] : state) {
-    TORCH_CHECK(key == "iteration" || key.rfind("error.", 0) == 0, "commtune.Quantize: unknown state_dict entry '",
-                key, "'");
-  }
-  errors_.load(state);
 }
 
 } // namespace commtune

@@ -1,6 +1,5 @@
 #pragma once
 #include <commtune/error_buffers.h>
-#include <commtune/hook.h>
 #include <commtune/kernels/quantize.h>
 
 namespace commtune {
@@ -9,7 +8,7 @@ namespace commtune {
 // rank averaging its own shard and re-encoding it, then an all-gather (each rank sends about
 // 2(n-1)/n of the quantized bucket, as a ring allreduce does of the full one). With error
 // feedback the first encoding's error is added to the next iteration's gradients.
-class QuantizeHook : public Hook {
+class QuantizeHook : public ErrorFeedbackHook {
  public:
   struct Options {
     int64_t chunk = 1024;  // elements per scale
@@ -22,15 +21,12 @@ class QuantizeHook : public Hook {
 
  protected:
   Launch communicate(c10d::GradBucket& bucket) override;
-  void save_state(StateDict& state) const override { errors_.save(state); }
-  void load_state(const StateDict& state) override;
 
  private:
   // The rounding draws' seed for one pass of one bucket on this rank (-1: round to nearest).
   int64_t draws(const c10d::GradBucket& bucket, int64_t pass) const;
 
   Options options_;
-  ErrorBuffers errors_;
 };
 
 } // namespace commtune

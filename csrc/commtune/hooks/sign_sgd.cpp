@@ -1,0 +1,36 @@
+#include <commtune/hooks/sign_sgd.h>
+
+namespace commtune {
+
+SignSgdHook::SignSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options)
+    : ErrorFeedbackHook(std::move(process_group), "SignSGD"), options_(options) {
+  TORCH_CHECK(options_.chunk >= 32 && options_.chunk % 32 == 0,
+              "commtune.SignSGD: chunk must be a positive multiple of 32, got ", options_.chunk);
+  TORCH_CHECK(options_.min_size >= 0, "commtune.SignSGD: min_size must be >= 0 bytes");
+}
+
+Hook::Launch SignSgdHook::communicate(c10d::GradBucket& bucket) {
+  at::Tensor buffer = bucket.getBufferRef();
+  if (static_cast<int64_t>(buffer.nbytes()) < options_.min_size) {
+    return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+  }
+  const SignLayout layout = SignLayout::of(buffer.numel(), options_.chunk);
+  at::Tensor error;
+  if (options_.error_feedback) {
+    error = add_to_error(bucket);
+  }
+  const at::TensorOptions bytes = buffer.options().dtype(at::kByte);
+  at::Tensor piece = at::empty({layout.piece_bytes()}, bytes);
+  sign_encode_(error.defined() ? error : buffer, error, piece, layout);
+  at::Tensor gathered = at::empty({world_size() * layout.piece_bytes()}, bytes);
+  auto future = process_group()->_allgather_base(gathered, piece)->getFuture();
+  const int64_t n = world_size();
+  auto finish = [buffer, gathered, n, layout](const at::Tensor&) mutable {
+    sign_decode_mean_(gathered, buffer, n, layout);
+    record_on_current_stream(gathered);
+    return buffer;
+  };
+  return Launch{std::move(future), std::move(finish), layout.piece_bytes()};
+}
+
+} // namespace commtune

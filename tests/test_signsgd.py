@@ -1,0 +1,126 @@
+"""SignSGD: the sign kernels (bit packing, scales, error) and the hook end to end on 2 and 3
+gloo ranks against a plain-PyTorch simulation of EF-SignSGD."""
+import functools
+
+import pytest
+import torch
+
+import compression_runs
+import distributed
+from commtune import _C
+from conftest import DEVICES, needs_cuda
+
+CHUNK = compression_runs.CHUNK
+
+
+def encode(x, chunk):
+    """The scheme in tensor ops: per chunk, +-(mean |x|) by sign (zero counts as positive)."""
+    n = x.numel()
+    padded = torch.nn.functional.pad(x.abs().double(), (0, -n % chunk)).view(-1, chunk)
+    counts = torch.full((padded.shape[0],), float(chunk), dtype=torch.float64)
+    counts[-1] = n - chunk * (padded.shape[0] - 1)
+    scale = (padded.sum(1) / counts).float().repeat_interleave(chunk)[:n]
+    return torch.where(x < 0, -scale, scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("numel", [21000, 64, 1000])
+def test_encoding_packs_the_signs_and_keeps_the_error(device, numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[::7] = 0.0
+    piece = torch.empty(_C.sign_piece_bytes(numel, CHUNK), dtype=torch.uint8, device=device)
+    error = torch.empty(numel, device=device)
+    _C.sign_encode_(x.to(device), error, piece, CHUNK)
+    words = -(-numel // CHUNK) * CHUNK // 32
+    bits = piece[:4 * words].cpu().view(torch.int32)
+    unpacked = ((bits[:, None] >> torch.arange(32)) & 1).view(-1)[:numel].bool()
+    assert torch.equal(unpacked, x < 0)
+    decoded = torch.empty(numel, device=device)
+    _C.sign_decode_mean_(piece, decoded, 1, CHUNK)
+    torch.testing.assert_close(decoded.cpu(), encode(x, CHUNK), rtol=1e-6, atol=0)
+    torch.testing.assert_close(error.cpu(), x - decoded.cpu(), rtol=0, atol=0)
+    assert piece.numel() == 4 * words + 4 * -(-numel // CHUNK)  # a bit per element, a float per chunk
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decoding_averages_the_ranks_pieces(device):
+    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    pieces = []
+    for x in xs:
+        piece = torch.empty(_C.sign_piece_bytes(3000, CHUNK), dtype=torch.uint8, device=device)
+        _C.sign_encode_(x.to(device), None, piece, CHUNK)
+        pieces.append(piece)
+    out = torch.empty(3000, device=device)
+    _C.sign_decode_mean_(torch.cat(pieces), out, 3, CHUNK)
+    expected = (encode(xs[0], CHUNK) + encode(xs[1], CHUNK) + encode(xs[2], CHUNK)) / 3
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=0)
+
+
+def simulate(steps_locals, world):
+    errors = [torch.zeros_like(steps_locals[0][0]) for _ in range(world)]
+    out = []
+    for grads in steps_locals:
+        total = torch.zeros_like(grads[0])
+        for r in range(world):
+            sent = errors[r] + grads[r]
+            decoded = encode(sent, CHUNK)
+            errors[r] = sent - decoded
+            total = total + decoded
+        out.append(total / world)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def run(world_size):
+    return distributed.run(compression_runs.hook_run, world_size, 4, "SignSGD")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hook_equals_the_simulated_scheme_and_ranks_agree(world_size):
+    results = run(world_size)
+    expected = simulate([grads for _, grads in results[0]["steps"]], world_size)
+    for r in results:
+        for (ours, _), theirs, (first, _) in zip(r["steps"], expected, results[0]["steps"]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+            assert torch.equal(ours, first)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_counters_count_the_packed_bytes(world_size):
+    stats = run(world_size)[0]["stats"]
+    numel, steps, chunks = 300 * 70, 4, -(-300 * 70 // CHUNK)
+    piece = chunks * CHUNK // 8 + 4 * chunks
+    assert stats["calls"] == steps and stats["bytes_in"] == steps * numel * 4
+    assert stats["bytes_out"] == steps * piece
+    assert stats["compression_ratio"] == pytest.approx(numel * 4 / piece)
+
+
+def test_state_dict_carries_the_error_and_resumes_bit_for_bit():
+    for r in distributed.run(compression_runs.resume_run, 2, 5, 3, "SignSGD"):
+        for a, b in zip(r["straight"], r["resumed"]):
+            assert torch.equal(a, b)
+    assert set(run(2)[0]["state"]) == {"iteration", "error.0"}
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+def test_cuda_and_cpu_encodings_agree():
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(9))
+    pieces = []
+    for device in ("cpu", "cuda"):
+        piece = torch.empty(_C.sign_piece_bytes(50_000, 1024), dtype=torch.uint8, device=device)
+        _C.sign_encode_(x.to(device), None, piece, 1024)
+        pieces.append(piece.cpu())
+    words = 49 * 1024 // 32
+    assert torch.equal(pieces[0][:4 * words], pieces[1][:4 * words])  # the signs exactly
+    torch.testing.assert_close(pieces[0][4 * words:].view(torch.float32), pieces[1][4 * words:].view(torch.float32),
+                               rtol=1e-6, atol=0)  # scales: the same float64 sum, in another order
+
+
+def test_bad_values_are_refused():
+    import commtune as ct
+
+    for kw, word in [({"chunk": 48}, "chunk"), ({"chunk": 0}, "chunk"), ({"error_feedback": 1}, "error_feedback"),
+                     ({"min_size": -1}, "min_size")]:
+        with pytest.raises(ValueError, match=word):
+            ct.hooks.SignSGD(**kw).validate()
