@@ -22,7 +22,10 @@ def _configs():
     return [("plain DDP (no hook)", None), ("commtune AllReduce", hooks.AllReduce()),
             ("commtune Cast(bf16)", hooks.Cast(torch.bfloat16)),
             ("commtune Cast(fp16)", hooks.Cast(torch.float16)),
-            ("commtune PowerSGD(rank=2), from iteration 2", hooks.PowerSGD(rank=2, start_iter=2))]
+            ("commtune PowerSGD(rank=2), from iteration 2", hooks.PowerSGD(rank=2, start_iter=2)),
+            # min_size=0: the demo's buckets are smaller than the default threshold
+            ("commtune Quantize(8 bits)", hooks.Quantize(min_size=0)),
+            ("commtune SignSGD", hooks.SignSGD(min_size=0))]
 
 
 def _train(rank, world_size, iterations):
