@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 CHUNK = 256
+RATIO = 0.05
 
 
 def make_hook(name):
@@ -14,6 +15,9 @@ def make_hook(name):
         "Quantize": lambda: ct.hooks.Quantize(chunk=CHUNK, min_size=0),
         "Quantize-nearest": lambda: ct.hooks.Quantize(chunk=CHUNK, stochastic=False, min_size=0),
         "SignSGD": lambda: ct.hooks.SignSGD(chunk=CHUNK, min_size=0),
+        "TopK": lambda: ct.hooks.TopK(ratio=RATIO, min_size=0),
+        "RandomK": lambda: ct.hooks.RandomK(ratio=RATIO, min_size=0),
+        "RandomK-no-feedback": lambda: ct.hooks.RandomK(ratio=RATIO, error_feedback=False, min_size=0),
     }[name]()
 
 

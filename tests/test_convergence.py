@@ -23,7 +23,8 @@ def train(rank, world_size, hook_name):
     import commtune as ct
 
     hooks = {"none": ct.hooks.AllReduce(), "Quantize": ct.hooks.Quantize(min_size=0, chunk=256),
-             "SignSGD": ct.hooks.SignSGD(min_size=0, chunk=256)}
+             "SignSGD": ct.hooks.SignSGD(min_size=0, chunk=256), "TopK": ct.hooks.TopK(ratio=0.05, min_size=0),
+             "RandomK": ct.hooks.RandomK(ratio=0.05, min_size=0)}
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
                                 torch.nn.ReLU(), torch.nn.Linear(128, CLASSES))
@@ -52,9 +53,13 @@ def test_uncompressed_training_learns_the_task():
 # SignSGD with error feedback falls short here: 86.5% against 88.1% (chunks of 32 or 1024
 # elements: 85.7%, 84.3%). Kept as a strict expected failure so that a fix shows.
 SIGN_SHORT = pytest.mark.xfail(strict=True, reason="EF-SignSGD reaches 86.5% vs 88.1% uncompressed at this budget")
+# RandomK at 5% sends a twentieth of each step's update and the rest waits in the error buffer:
+# 52.2% after the same budget (TopK at 5%: 88.05%).
+RANDOMK_SHORT = pytest.mark.xfail(strict=True, reason="RandomK(0.05) reaches 52.2% vs 88.1% at this budget")
 
 
-@pytest.mark.parametrize("compressor", ["Quantize", pytest.param("SignSGD", marks=SIGN_SHORT)])
+@pytest.mark.parametrize("compressor", ["Quantize", pytest.param("SignSGD", marks=SIGN_SHORT), "TopK",
+                                        pytest.param("RandomK", marks=RANDOMK_SHORT)])
 def test_compressed_training_with_error_feedback_matches_uncompressed(compressor, record_property):
     base, ours = accuracy("none"), accuracy(compressor)
     record_property("uncompressed_accuracy", base)

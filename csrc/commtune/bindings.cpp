@@ -8,7 +8,9 @@
 #include <commtune/hooks/cast.h>
 #include <commtune/hooks/powersgd.h>
 #include <commtune/hooks/quantize.h>
+#include <commtune/hooks/random_k.h>
 #include <commtune/hooks/sign_sgd.h>
+#include <commtune/hooks/top_k.h>
 #include <commtune/kernels/cast_scale.h>
 #include <commtune/kernels/low_rank.h>
 #include <commtune/kernels/orthogonalize.h>
@@ -135,6 +137,22 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("error_feedback", &SignSgdOptions::error_feedback)
       .def_readwrite("min_size", &SignSgdOptions::min_size);
   def_register<SignSgdHook>(m, "register_signsgd");
+
+  using TopKOptions = TopKHook::Options;
+  py::class_<TopKOptions>(m, "TopKOptions")
+      .def(py::init<>())
+      .def_readwrite("ratio", &TopKOptions::ratio)
+      .def_readwrite("error_feedback", &TopKOptions::error_feedback)
+      .def_readwrite("min_size", &TopKOptions::min_size);
+  def_register<TopKHook>(m, "register_topk");
+  using RandomKOptions = RandomKHook::Options;
+  py::class_<RandomKOptions>(m, "RandomKOptions")
+      .def(py::init<>())
+      .def_readwrite("ratio", &RandomKOptions::ratio)
+      .def_readwrite("seed", &RandomKOptions::seed)
+      .def_readwrite("error_feedback", &RandomKOptions::error_feedback)
+      .def_readwrite("min_size", &RandomKOptions::min_size);
+  def_register<RandomKHook>(m, "register_randomk");
   // The sign compression's passes on their own (kernel tests); see sign.h.
   m.def("sign_piece_bytes", [](int64_t numel, int64_t chunk) { return SignLayout::of(numel, chunk).piece_bytes(); },
         py::arg("numel"), py::arg("chunk"));

@@ -50,6 +50,16 @@ class ErrorFeedbackHook : public Hook {
   using Hook::Hook;
   void save_state(StateDict& state) const override { errors_.save(state); }
   void load_state(const StateDict& state) override { errors_.load(state, name()); }
+  // What buckets under `min_size` bytes get: a plain mean allreduce (not worth compressing).
+  Launch plain_mean(at::Tensor& buffer) const {
+    return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+  }
+  void check_min_size(int64_t min_size) const {
+    TORCH_CHECK(min_size >= 0, "commtune.", name(), ": min_size must be >= 0 bytes, got ", min_size);
+  }
+  void check_ratio(double ratio) const {
+    TORCH_CHECK(ratio > 0 && ratio <= 1, "commtune.", name(), ": ratio must be in (0, 1], got ", ratio);
+  }
   // The bucket's error buffer after adding the bucket to it: what is to be sent this time.
   at::Tensor add_to_error(c10d::GradBucket& bucket) {
     at::Tensor& error = errors_.of(bucket, [this](const at::Tensor& p) { return parameter_index(p); });

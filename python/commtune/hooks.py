@@ -82,9 +82,7 @@ class Quantize(HookConfig):
             raise ValueError(f"Quantize: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
 
     def _register(self, reducer, process_group):
-        options = _C.QuantizeOptions()
-        for field in ("chunk", "stochastic", "error_feedback", "seed", "min_size"):
-            setattr(options, field, getattr(self, field))
+        options = _options(self, _C.QuantizeOptions(), ("chunk", "stochastic", "error_feedback", "seed", "min_size"))
         return _C.register_quantize(reducer, process_group, options)
 
 
@@ -108,10 +106,63 @@ class SignSGD(HookConfig):
             raise ValueError(f"SignSGD: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
 
     def _register(self, reducer, process_group):
-        options = _C.SignSgdOptions()
-        for field in ("chunk", "error_feedback", "min_size"):
-            setattr(options, field, getattr(self, field))
+        options = _options(self, _C.SignSgdOptions(), ("chunk", "error_feedback", "min_size"))
         return _C.register_signsgd(reducer, process_group, options)
+
+
+def _check_sparsifier(config):
+    """The checks TopK and RandomK share."""
+    if isinstance(config.ratio, bool) or not isinstance(config.ratio, (int, float)) or not 0 < config.ratio <= 1:
+        raise ValueError(f"{config.name}: ratio must be a number in (0, 1], got {config.ratio!r}")
+    if not isinstance(config.error_feedback, bool):
+        raise ValueError(f"{config.name}: error_feedback must be True or False, got {config.error_feedback!r}")
+    if not _is_int(config.min_size) or config.min_size < 0:
+        raise ValueError(f"{config.name}: min_size must be an integer >= 0 (bytes), got {config.min_size!r}")
+
+
+def _options(config, options, fields):
+    for field in fields:
+        setattr(options, field, getattr(config, field))
+    return options
+
+
+@dataclass(frozen=True)
+class TopK(HookConfig):
+    """Top-k sparsification with error feedback (see README): the `ratio` share of entries of
+    largest magnitude, values and indices all-gathered and averaged."""
+
+    ratio: float = 0.01
+    error_feedback: bool = True
+    min_size: int = 1 << 16
+    name = "TopK"
+
+    def validate(self):
+        _check_sparsifier(self)
+
+    def _register(self, reducer, process_group):
+        options = _options(self, _C.TopKOptions(), ("ratio", "error_feedback", "min_size"))
+        return _C.register_topk(reducer, process_group, options)
+
+
+@dataclass(frozen=True)
+class RandomK(HookConfig):
+    """Random-k sparsification with error feedback (see README): the same seeded positions on
+    every rank, so only the values are allreduced."""
+
+    ratio: float = 0.01
+    seed: int = 0
+    error_feedback: bool = True
+    min_size: int = 1 << 16
+    name = "RandomK"
+
+    def validate(self):
+        _check_sparsifier(self)
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"RandomK: seed must be an integer >= 0, got {self.seed!r}")
+
+    def _register(self, reducer, process_group):
+        options = _options(self, _C.RandomKOptions(), ("ratio", "seed", "error_feedback", "min_size"))
+        return _C.register_randomk(reducer, process_group, options)
 
 
 def _is_int(v):

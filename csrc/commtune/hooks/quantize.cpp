@@ -7,7 +7,7 @@ QuantizeHook::QuantizeHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
     : ErrorFeedbackHook(std::move(process_group), "Quantize"), options_(options) {
   TORCH_CHECK(options_.chunk >= 4 && options_.chunk <= 8192 && options_.chunk % 4 == 0,
               "commtune.Quantize: chunk must be a multiple of 4 between 4 and 8192, got ", options_.chunk);
-  TORCH_CHECK(options_.min_size >= 0, "commtune.Quantize: min_size must be >= 0 bytes");
+  check_min_size(options_.min_size);
 }
 
 int64_t QuantizeHook::draws(const c10d::GradBucket& bucket, int64_t pass) const {
@@ -23,7 +23,7 @@ int64_t QuantizeHook::draws(const c10d::GradBucket& bucket, int64_t pass) const 
 Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor buffer = bucket.getBufferRef();
   if (static_cast<int64_t>(buffer.nbytes()) < options_.min_size) {
-    return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+    return plain_mean(buffer);
   }
   const int64_t n = world_size();
   const QuantizeLayout layout = QuantizeLayout::of(buffer.numel(), n, options_.chunk);

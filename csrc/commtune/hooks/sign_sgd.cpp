@@ -6,13 +6,13 @@ SignSgdHook::SignSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, c
     : ErrorFeedbackHook(std::move(process_group), "SignSGD"), options_(options) {
   TORCH_CHECK(options_.chunk >= 32 && options_.chunk % 32 == 0,
               "commtune.SignSGD: chunk must be a positive multiple of 32, got ", options_.chunk);
-  TORCH_CHECK(options_.min_size >= 0, "commtune.SignSGD: min_size must be >= 0 bytes");
+  check_min_size(options_.min_size);
 }
 
 Hook::Launch SignSgdHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor buffer = bucket.getBufferRef();
   if (static_cast<int64_t>(buffer.nbytes()) < options_.min_size) {
-    return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+    return plain_mean(buffer);
   }
   const SignLayout layout = SignLayout::of(buffer.numel(), options_.chunk);
   at::Tensor error;

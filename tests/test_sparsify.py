@@ -1,0 +1,83 @@
+"""TopK and RandomK end to end on 2 and 3 gloo ranks: TopK against a plain-PyTorch simulation
+with error feedback (bit for bit), RandomK against the ranks' mean at the positions it sent."""
+import functools
+import math
+
+import pytest
+import torch
+
+import compression_runs
+import distributed
+
+RATIO, NUMEL, STEPS = compression_runs.RATIO, 300 * 70, 4
+K = math.ceil(RATIO * NUMEL)
+
+
+@functools.lru_cache(maxsize=None)
+def run(world_size, hook):
+    return distributed.run(compression_runs.hook_run, world_size, STEPS, hook)
+
+
+def simulate_topk(steps_locals, world):
+    errors = [torch.zeros(NUMEL) for _ in range(world)]
+    out = []
+    for grads in steps_locals:
+        total = torch.zeros(NUMEL)
+        for r in range(world):
+            x = errors[r] + grads[r]
+            idx = x.abs().topk(K, sorted=False).indices
+            total.index_add_(0, idx, x[idx])
+            errors[r] = x.index_fill(0, idx, 0)
+        out.append(total / world)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_topk_equals_the_simulated_scheme(world_size):
+    results = run(world_size, "TopK")
+    expected = simulate_topk([grads for _, grads in results[0]["steps"]], world_size)
+    for r in results:
+        for (ours, _), theirs in zip(r["steps"], expected):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+            assert int((ours != 0).sum()) <= world_size * K
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_randomk_sends_the_mean_at_shared_positions(world_size):
+    results = run(world_size, "RandomK-no-feedback")
+    for step, (ours, grads) in enumerate(results[0]["steps"]):
+        sent = ours != 0
+        assert 0.9 * K < int(sent.sum()) <= K  # k draws with replacement: a few repeat
+        torch.testing.assert_close(ours[sent], torch.stack(grads).mean(0)[sent], rtol=1e-6, atol=1e-9)
+        for r in results[1:]:
+            assert torch.equal(r["steps"][step][0], ours)
+    first, second = results[0]["steps"][0][0] != 0, results[0]["steps"][1][0] != 0
+    assert not torch.equal(first, second)  # new positions every iteration
+
+
+@pytest.mark.parametrize("hook,per_call", [("TopK", 8 * K), ("RandomK", 4 * K)])
+def test_counters_count_what_is_sent(hook, per_call):
+    stats = run(2, hook)[0]["stats"]
+    assert stats["calls"] == STEPS and stats["bytes_in"] == STEPS * NUMEL * 4
+    assert stats["bytes_out"] == STEPS * per_call
+
+
+@pytest.mark.parametrize("hook", ["TopK", "RandomK"])
+def test_state_dict_carries_the_error_and_resumes_bit_for_bit(hook):
+    for r in distributed.run(compression_runs.resume_run, 2, 5, 3, hook):
+        for a, b in zip(r["straight"], r["resumed"]):
+            assert torch.equal(a, b)
+    state = run(2, hook)[0]["state"]
+    assert set(state) == {"iteration", "error.0"} and int((state["error.0"] != 0).sum()) > NUMEL // 2
+
+
+def test_bad_values_are_refused():
+    import commtune as ct
+
+    for config in (ct.hooks.TopK, ct.hooks.RandomK):
+        for kw, word in [({"ratio": 0}, "ratio"), ({"ratio": 1.5}, "ratio"), ({"ratio": True}, "ratio"),
+                         ({"error_feedback": "yes"}, "error_feedback"), ({"min_size": -1}, "min_size")]:
+            with pytest.raises(ValueError, match=word):
+                config(**kw).validate()
+    with pytest.raises(ValueError, match="seed"):
+        ct.hooks.RandomK(seed=-2).validate()
