@@ -56,7 +56,7 @@ class Cast(HookConfig):
 
 @dataclass(frozen=True)
 class Quantize(HookConfig):
-    """8-bit quantized mean (see README): per-chunk absmax codes, an all-to-all of shards, each
+    """8- or 4-bit quantized mean (see README): per-chunk absmax codes, an all-to-all of shards, each
     rank averaging and re-encoding its own shard, an all-gather. Buckets under `min_size` bytes
     go as a plain mean allreduce."""
 
@@ -69,10 +69,10 @@ class Quantize(HookConfig):
     name = "Quantize"
 
     def validate(self):
-        if self.bits != 8:
-            raise ValueError(f"Quantize: bits must be 8 (4-bit packing and fp8 are not built yet), got {self.bits!r}")
-        if not _is_int(self.chunk) or not 4 <= self.chunk <= 8192 or self.chunk % 4:
-            raise ValueError(f"Quantize: chunk must be a multiple of 4 between 4 and 8192, got {self.chunk!r}")
+        if self.bits not in (8, 4) or isinstance(self.bits, bool):
+            raise ValueError(f"Quantize: bits must be 8 or 4 (fp8 is not built yet), got {self.bits!r}")
+        if not _is_int(self.chunk) or not 8 <= self.chunk <= 8192 or self.chunk % 8:
+            raise ValueError(f"Quantize: chunk must be a multiple of 8 between 8 and 8192, got {self.chunk!r}")
         for flag in ("stochastic", "error_feedback"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Quantize: {flag} must be True or False, got {getattr(self, flag)!r}")
@@ -82,7 +82,8 @@ class Quantize(HookConfig):
             raise ValueError(f"Quantize: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
 
     def _register(self, reducer, process_group):
-        options = _options(self, _C.QuantizeOptions(), ("chunk", "stochastic", "error_feedback", "seed", "min_size"))
+        options = _options(self, _C.QuantizeOptions(),
+                           ("bits", "chunk", "stochastic", "error_feedback", "seed", "min_size"))
         return _C.register_quantize(reducer, process_group, options)
 
 

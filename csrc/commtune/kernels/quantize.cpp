@@ -25,34 +25,33 @@ void check_values(const at::Tensor& t, int64_t numel, const char* what) {
               " elements, got ", t.scalar_type(), " ", shape_of(t));
 }
 
-// Where chunk `c` of shard `s` keeps its codes and its scale inside a packed buffer.
-int8_t* codes_of(uint8_t* packed, const QuantizeLayout& l, int64_t s, int64_t c) {
-  return reinterpret_cast<int8_t*>(packed + s * l.piece_bytes() + c * l.chunk);
-}
-float* scale_of_chunk(uint8_t* packed, const QuantizeLayout& l, int64_t s, int64_t c) {
-  return reinterpret_cast<float*>(packed + s * l.piece_bytes() + l.shard) + c;
-}
-
-// Encodes `values` (one chunk, as floats) with its absmax scale; returns the scale.
-float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t draws, int8_t* codes) {
+// Encodes `values` (one chunk, as floats) with its absmax scale into `codes`; returns the scale.
+float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t draws, int bits, uint8_t* codes) {
   float absmax = 0;
   for (int64_t j = 0; j < n; ++j) absmax = std::max(absmax, std::fabs(values[j]));
-  const float scale = quant::scale_of(absmax), inverse = quant::inverse(scale);
-  for (int64_t j = 0; j < n; ++j) {
-    const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j);
-    codes[j] = quant::encode(values[j], inverse, draw);
+  const float scale = quant::scale_of(absmax, bits), inverse = quant::inverse(scale);
+  for (int64_t j = 0; j < n; j += 4) {
+    int8_t q[4];
+    for (int k = 0; k < 4; ++k) {
+      const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
+      q[k] = quant::encode(values[j + k], inverse, draw, bits);
+    }
+    quant::store_four_codes(codes, j, q, bits);
   }
   return scale;
 }
 
 } // namespace
 
-QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk) {
-  TORCH_CHECK(ranks >= 1 && chunk >= 4 && chunk % 4 == 0, "Quantize: chunk must be a positive multiple of 4");
+QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, int bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "Quantize: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(ranks >= 1 && chunk >= 8 && chunk % 8 == 0, "Quantize: chunk must be a positive multiple of 8, got ",
+              chunk);
   QuantizeLayout l;
   l.numel = numel;
   l.ranks = ranks;
   l.chunk = chunk;
+  l.bits = bits;
   const int64_t per_rank = (numel + ranks - 1) / ranks;
   l.shard = std::max<int64_t>(1, (per_rank + chunk - 1) / chunk) * chunk;
   return l;
@@ -79,11 +78,15 @@ void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::
         for (int64_t j = 0; j < layout.chunk; ++j) {
           values[j] = first + j < layout.numel ? static_cast<float>(in[first + j]) : 0.0f;
         }
-        int8_t* codes = codes_of(out, layout, s, c);
-        const float scale = encode_chunk(values.data(), layout.chunk, first, draws, codes);
-        *scale_of_chunk(out, layout, s, c) = scale;
-        for (int64_t j = 0; err != nullptr && j < layout.chunk && first + j < layout.numel; ++j) {
-          err[first + j] = static_cast<scalar_t>(quant::add(values[j], -quant::decode(codes[j], scale)));
+        uint8_t* codes = layout.codes(out, s, c);
+        const float scale = encode_chunk(values.data(), layout.chunk, first, draws, layout.bits, codes);
+        *layout.scale(out, s, c) = scale;
+        for (int64_t j = 0; err != nullptr && j < layout.chunk && first + j < layout.numel; j += 4) {
+          int8_t q[4];
+          quant::load_four_codes(codes, j, layout.bits, q);
+          for (int k = 0; k < 4 && first + j + k < layout.numel; ++k) {
+            err[first + j + k] = static_cast<scalar_t>(quant::add(values[j + k], -quant::decode(q[k], scale)));
+          }
         }
       }
     });
@@ -106,13 +109,17 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
     for (int64_t c = begin; c < end; ++c) {
       std::fill(values.begin(), values.end(), 0.0f);
       for (int64_t r = 0; r < layout.ranks; ++r) {
-        const int8_t* codes = codes_of(in, layout, r, c);
-        const float scale = *scale_of_chunk(in, layout, r, c);
-        for (int64_t j = 0; j < layout.chunk; ++j) values[j] = quant::add(values[j], quant::decode(codes[j], scale));
+        const uint8_t* codes = layout.codes(in, r, c);
+        const float scale = *layout.scale(in, r, c);
+        for (int64_t j = 0; j < layout.chunk; j += 4) {
+          int8_t q[4];
+          quant::load_four_codes(codes, j, layout.bits, q);
+          for (int k = 0; k < 4; ++k) values[j + k] = quant::add(values[j + k], quant::decode(q[k], scale));
+        }
       }
       for (int64_t j = 0; j < layout.chunk; ++j) values[j] = quant::div(values[j], static_cast<float>(divisor));
-      *scale_of_chunk(out, layout, 0, c) =
-          encode_chunk(values.data(), layout.chunk, c * layout.chunk, draws, codes_of(out, layout, 0, c));
+      *layout.scale(out, 0, c) =
+          encode_chunk(values.data(), layout.chunk, c * layout.chunk, draws, layout.bits, layout.codes(out, 0, c));
     }
   });
 }
@@ -126,10 +133,19 @@ void dequantize_shards_(const at::Tensor& packed, const at::Tensor& out, const Q
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dequantize_shards", [&] {
     uint8_t* in = packed.mutable_data_ptr<uint8_t>();
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, layout.numel, 1 << 14, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / layout.shard, c = (i % layout.shard) / layout.chunk, j = i % layout.chunk;
-        dst[i] = static_cast<scalar_t>(quant::decode(codes_of(in, layout, s, c)[j], *scale_of_chunk(in, layout, s, c)));
+    const int64_t chunks = layout.ranks * layout.chunks_per_shard();
+    at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t s = g / layout.chunks_per_shard(), c = g % layout.chunks_per_shard();
+        const int64_t first = s * layout.shard + c * layout.chunk;
+        const float scale = *layout.scale(in, s, c);
+        for (int64_t j = 0; j < layout.chunk && first + j < layout.numel; j += 4) {
+          int8_t q[4];
+          quant::load_four_codes(layout.codes(in, s, c), j, layout.bits, q);
+          for (int k = 0; k < 4 && first + j + k < layout.numel; ++k) {
+            dst[first + j + k] = static_cast<scalar_t>(quant::decode(q[k], scale));
+          }
+        }
       }
     });
   });

@@ -1,8 +1,9 @@
 #pragma once
-// 8-bit quantized allreduce in three passes (the Quantize hook): every rank encodes its bucket
+// 8- or 4-bit quantized allreduce in three passes (the Quantize hook): every rank encodes its bucket
 // as `ranks` shards and sends shard s to rank s (all-to-all); each rank decodes, averages and
 // re-encodes its own shard; the encoded shards are all-gathered and decoded into the bucket.
-// A shard travels as one piece: `shard` int8 codes, then one float scale per chunk.
+// A shard travels as one piece: `shard` codes (a byte each, or half a byte), then one float
+// scale per chunk.
 #include <ATen/ATen.h>
 
 #include <commtune/kernels/quantize_rules.h>
@@ -15,11 +16,20 @@ struct QuantizeLayout {
   int64_t numel = 0;  // of the bucket
   int64_t ranks = 1;
   int64_t chunk = 1024;  // elements per scale
+  int bits = 8;  // 8 or 4
   int64_t shard = 0;  // elements per shard: ceil(numel / ranks), rounded up to whole chunks
 
-  static QuantizeLayout of(int64_t numel, int64_t ranks, int64_t chunk);
+  static QuantizeLayout of(int64_t numel, int64_t ranks, int64_t chunk, int bits = 8);
   COMMTUNE_HD int64_t chunks_per_shard() const { return shard / chunk; }
-  COMMTUNE_HD int64_t piece_bytes() const { return shard + 4 * chunks_per_shard(); }
+  COMMTUNE_HD int64_t code_bytes() const { return shard * bits / 8; }
+  COMMTUNE_HD int64_t piece_bytes() const { return code_bytes() + 4 * chunks_per_shard(); }
+  // Where chunk c of shard s keeps its codes and its scale in a packed buffer.
+  COMMTUNE_HD uint8_t* codes(uint8_t* packed, int64_t s, int64_t c) const {
+    return packed + s * piece_bytes() + c * chunk * bits / 8;
+  }
+  COMMTUNE_HD float* scale(uint8_t* packed, int64_t s, int64_t c) const {
+    return reinterpret_cast<float*>(packed + s * piece_bytes() + code_bytes()) + c;
+  }
 };
 
 // Encodes src (zeros past numel) into `packed` (uint8, ranks * piece_bytes). With `error`

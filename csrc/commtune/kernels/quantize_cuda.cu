@@ -31,13 +31,6 @@ __device__ float block_absmax(const float* values, int64_t n) {
   return total;
 }
 
-__device__ __forceinline__ int8_t* codes_of(uint8_t* packed, const QuantizeLayout& l, int64_t s, int64_t c) {
-  return reinterpret_cast<int8_t*>(packed + s * l.piece_bytes() + c * l.chunk);
-}
-__device__ __forceinline__ float* scale_at(uint8_t* packed, const QuantizeLayout& l, int64_t s, int64_t c) {
-  return reinterpret_cast<float*>(packed + s * l.piece_bytes() + l.shard) + c;
-}
-
 // Four consecutive elements, loaded and stored as one access.
 template <typename T>
 struct alignas(sizeof(T) * 4) Four {
@@ -71,19 +64,19 @@ __device__ __forceinline__ void store_four(scalar_t* __restrict__ dst, int64_t a
   }
 }
 
-// Encodes four values of the chunk held in shared memory into one 32-bit store of codes.
+// Encodes four values of the chunk held in shared memory into one store of codes.
 __device__ __forceinline__ void encode_four(const float* values, int64_t j, uint64_t first_index, int64_t draws,
-                                            float inverse, int8_t* codes) {
-  Four<int8_t> c;
+                                            float inverse, int bits, uint8_t* codes, int8_t (&q)[4]) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
-    c.v[k] = quant::encode(values[j + k], inverse, draw);
+    q[k] = quant::encode(values[j + k], inverse, draw, bits);
   }
-  *reinterpret_cast<Four<int8_t>*>(codes + j) = c;
+  quant::store_four_codes(codes, j, q, bits);
 }
 
-// Chunks are whole multiples of 4 elements and codes start 4-byte aligned (QuantizeLayout).
+// Chunks are whole multiples of 8 elements, so a chunk's codes start 4-byte aligned (8 bits)
+// or 2-byte aligned (4 bits): four codes are one access.
 template <typename scalar_t>
 __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ packed,
                                 QuantizeLayout l, int64_t draws, bool vector) {
@@ -92,18 +85,19 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* erro
   const int64_t first = s * l.shard + c * l.chunk;
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) load_four(src, first + j, l.numel, vector, values + j);
   __syncthreads();
-  int8_t* codes = codes_of(packed, l, s, c);
-  const float scale = quant::scale_of(block_absmax(values, l.chunk)), inverse = quant::inverse(scale);
+  uint8_t* codes = l.codes(packed, s, c);
+  const float scale = quant::scale_of(block_absmax(values, l.chunk), l.bits), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
-    encode_four(values, j, first, draws, inverse, codes);
+    int8_t q[4];
+    encode_four(values, j, first, draws, inverse, l.bits, codes, q);
     if (error != nullptr) {
       float rest[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[j + k], -quant::decode(codes[j + k], scale));
+      for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[j + k], -quant::decode(q[k], scale));
       store_four(error, first + j, l.numel, vector, rest);
     }
   }
-  if (threadIdx.x == 0) *scale_at(packed, l, s, c) = scale;
+  if (threadIdx.x == 0) *l.scale(packed, s, c) = scale;
 }
 
 __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
@@ -113,20 +107,22 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t r = 0; r < l.ranks; ++r) {
-      const Four<int8_t> codes = *reinterpret_cast<const Four<int8_t>*>(codes_of(received, l, r, c) + j);
-      const float scale = *scale_at(received, l, r, c);
+      int8_t q[4];
+      quant::load_four_codes(l.codes(received, r, c), j, l.bits, q);
+      const float scale = *l.scale(received, r, c);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], quant::decode(codes.v[k], scale));
+      for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], quant::decode(q[k], scale));
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) values[j + k] = quant::div(sum[k], divisor);
   }
   __syncthreads();
-  const float scale = quant::scale_of(block_absmax(values, l.chunk)), inverse = quant::inverse(scale);
+  const float scale = quant::scale_of(block_absmax(values, l.chunk), l.bits), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
-    encode_four(values, j, c * l.chunk, draws, inverse, codes_of(piece, l, 0, c));
+    int8_t q[4];
+    encode_four(values, j, c * l.chunk, draws, inverse, l.bits, l.codes(piece, 0, c), q);
   }
-  if (threadIdx.x == 0) *scale_at(piece, l, 0, c) = scale;
+  if (threadIdx.x == 0) *l.scale(piece, 0, c) = scale;
 }
 
 template <typename scalar_t>
@@ -134,13 +130,14 @@ __global__ void dequantize_kernel(uint8_t* __restrict__ packed, scalar_t* __rest
                                   bool vector) {
   const int64_t s = blockIdx.x / l.chunks_per_shard(), c = blockIdx.x % l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
-  const int8_t* codes = codes_of(packed, l, s, c);
-  const float scale = *scale_at(packed, l, s, c);
+  const uint8_t* codes = l.codes(packed, s, c);
+  const float scale = *l.scale(packed, s, c);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk && first + j < l.numel; j += 4 * kThreads) {
-    const Four<int8_t> four = *reinterpret_cast<const Four<int8_t>*>(codes + j);
+    int8_t q[4];
+    quant::load_four_codes(codes, j, l.bits, q);
     float values[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) values[k] = quant::decode(four.v[k], scale);
+    for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[k], scale);
     store_four(out, first + j, l.numel, vector, values);
   }
 }
