@@ -15,6 +15,7 @@ def make_hook(name):
         "Quantize": lambda: ct.hooks.Quantize(chunk=CHUNK, min_size=0),
         "Quantize-nearest": lambda: ct.hooks.Quantize(chunk=CHUNK, stochastic=False, min_size=0),
         "Quantize4-nearest": lambda: ct.hooks.Quantize(bits=4, chunk=CHUNK, stochastic=False, min_size=0),
+        "QuantizeE4M3-nearest": lambda: ct.hooks.Quantize(format="e4m3", chunk=CHUNK, stochastic=False, min_size=0),
         "SignSGD": lambda: ct.hooks.SignSGD(chunk=CHUNK, min_size=0),
         "TopK": lambda: ct.hooks.TopK(ratio=RATIO, min_size=0),
         "RandomK": lambda: ct.hooks.RandomK(ratio=RATIO, min_size=0),

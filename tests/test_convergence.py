@@ -24,6 +24,7 @@ def train(rank, world_size, hook_name):
 
     hooks = {"none": ct.hooks.AllReduce(), "Quantize": ct.hooks.Quantize(min_size=0, chunk=256),
              "Quantize(4 bits)": ct.hooks.Quantize(bits=4, min_size=0, chunk=256),
+             "Quantize(e4m3)": ct.hooks.Quantize(format="e4m3", min_size=0, chunk=256),
              "SignSGD": ct.hooks.SignSGD(min_size=0, chunk=256), "TopK": ct.hooks.TopK(ratio=0.05, min_size=0),
              "RandomK": ct.hooks.RandomK(ratio=0.05, min_size=0)}
     torch.manual_seed(0)
@@ -59,7 +60,8 @@ SIGN_SHORT = pytest.mark.xfail(strict=True, reason="EF-SignSGD reaches 86.5% vs 
 RANDOMK_SHORT = pytest.mark.xfail(strict=True, reason="RandomK(0.05) reaches 52.2% vs 88.1% at this budget")
 
 
-@pytest.mark.parametrize("compressor", ["Quantize", "Quantize(4 bits)", pytest.param("SignSGD", marks=SIGN_SHORT), "TopK",
+@pytest.mark.parametrize("compressor", ["Quantize", "Quantize(4 bits)", "Quantize(e4m3)",
+                                        pytest.param("SignSGD", marks=SIGN_SHORT), "TopK",
                                         pytest.param("RandomK", marks=RANDOMK_SHORT)])
 def test_compressed_training_with_error_feedback_matches_uncompressed(compressor, record_property):
     base, ours = accuracy("none"), accuracy(compressor)

@@ -100,3 +100,34 @@ def test_powersgd_resume_on_nccl_continues_like_an_uninterrupted_run(hook):
         for a, b in zip(r["straight"], r["resumed"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert r["iteration"] == (6, 7)
+
+
+def _compressed_on_nccl(hook):
+    import compression_runs
+
+    return distributed.run(compression_runs.hook_run, cuda_world_size(), STEPS, hook, "cuda", backend="nccl")
+
+
+@pytest.mark.parametrize("hook", ["SignSGD", "TopK"])
+def test_compressors_on_nccl_equal_their_simulations(hook):
+    from test_signsgd import simulate as simulate_signsgd
+    from test_sparsify import simulate_topk
+
+    simulate = {"SignSGD": simulate_signsgd, "TopK": simulate_topk}[hook]
+    results = _compressed_on_nccl(hook)
+    expected = simulate([grads for _, grads in results[0]["steps"]], cuda_world_size())
+    for r in results:
+        for (ours, _), theirs in zip(r["steps"], expected):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+
+
+def test_randomk_on_nccl_sends_the_mean_at_shared_positions():
+    from test_sparsify import K
+
+    results = _compressed_on_nccl("RandomK-no-feedback")
+    for step, (ours, grads) in enumerate(results[0]["steps"]):
+        sent = ours != 0
+        assert 0.9 * K < int(sent.sum()) <= K
+        torch.testing.assert_close(ours[sent], torch.stack(grads).mean(0)[sent], rtol=1e-6, atol=1e-9)
+        for r in results[1:]:
+            assert torch.equal(r["steps"][step][0], ours)

@@ -11,89 +11,108 @@ import distributed
 from commtune import _C
 from conftest import DEVICES, cuda_world_size, needs_cuda
 
-LEVELS = {8: 127, 4: 7}
+CODES = ["int8", "int4", "e4m3"]
+TOP = {"int8": 127, "int4": 7, "e4m3": 448}  # the largest code magnitude
+BITS = {"int8": 8, "int4": 4, "e4m3": 8}
 
 
-def round_trip(src, ranks, chunk, draws=-1, bits=8):
+def round_trip(src, ranks, chunk, draws=-1, codes="int8"):
     """The three passes on one rank, as if every rank sent `src`: the packed shards, the error
     src - decoded, shard 0 summed over the ranks and encoded again, the first encoding decoded,
     and the shard size."""
-    shard, piece_bytes = _C.quantize_layout(src.numel(), ranks, chunk, bits)
+    shard, piece_bytes = _C.quantize_layout(src.numel(), ranks, chunk, codes)
     packed = torch.empty(ranks * piece_bytes, dtype=torch.uint8, device=src.device)
     error = torch.empty_like(src)
-    _C.quantize_shards_(src, error, packed, ranks, chunk, draws, bits)
+    _C.quantize_shards_(src, error, packed, ranks, chunk, draws, codes)
     piece = torch.empty(piece_bytes, dtype=torch.uint8, device=src.device)
-    _C.reduce_shard_(packed[:piece_bytes].repeat(ranks), piece, src.numel(), ranks, chunk, ranks, draws, bits)
+    _C.reduce_shard_(packed[:piece_bytes].repeat(ranks), piece, src.numel(), ranks, chunk, ranks, draws, codes)
     decoded = torch.empty_like(src)
-    _C.dequantize_shards_(packed, decoded, ranks, chunk, bits)
+    _C.dequantize_shards_(packed, decoded, ranks, chunk, codes)
     return packed, error, piece, decoded, shard
 
 
-def encode(values, chunk, draw=None, bits=8):
-    """The scheme in tensor ops: per-chunk absmax scale, codes floor(x / scale + draw)."""
+def encode(values, chunk, codes="int8"):
+    """The scheme in tensor ops, rounding to nearest: per-chunk absmax scale, integer codes
+    floor(x / scale + 0.5), or e4m3 codes by torch's own float8_e4m3fn conversion."""
     v = values.view(-1, chunk)
-    scale = v.abs().amax(1) / LEVELS[bits]
+    scale = v.abs().amax(1) / TOP[codes]
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    draw = torch.full_like(v, 0.5) if draw is None else draw.view(-1, chunk)
-    codes = torch.floor(v * inverse[:, None] + draw).clamp(-LEVELS[bits], LEVELS[bits])
-    return (codes * scale[:, None]).view(-1), scale
+    y = v * inverse[:, None]
+    if codes == "e4m3":
+        q = y.to(torch.float8_e4m3fn).float()  # torch's conversion: to nearest, ties to even
+    else:
+        q = torch.floor(y + 0.5).clamp(-TOP[codes], TOP[codes])
+    return (q * scale[:, None]).view(-1), scale
 
 
-def unpack(code_bytes, bits):
-    """Codes as stored: a signed byte each, or two per byte plus 8 (the even one low)."""
-    if bits == 8:
+def step_of(values, chunk, codes):
+    """Per element, the distance between the two codes around it (in the values' units)."""
+    v = values.double().view(-1, chunk)
+    scale = v.abs().amax(1, keepdim=True) / TOP[codes]
+    if codes != "e4m3":
+        return scale.expand_as(v).reshape(-1)
+    binade = torch.floor(torch.log2((v / scale).abs().clamp(min=2.0 ** -6))).clamp(min=-6)
+    return (2.0 ** (binade - 3) * scale).view(-1)
+
+
+def unpack(code_bytes, codes):
+    """Codes as stored: a signed byte each, an fp8 byte, or two per byte plus 8 (the even one low)."""
+    if codes == "e4m3":
+        return code_bytes.view(torch.float8_e4m3fn).float()
+    if codes == "int8":
         return code_bytes.view(torch.int8).float()
     pairs = torch.stack([code_bytes & 15, code_bytes >> 4], 1).view(-1)
     return pairs.float() - 8
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("numel,ranks,chunk", [(10_000, 3, 256), (4096, 2, 1024), (77, 4, 8)])
-def test_rounding_to_nearest_matches_the_scheme_and_bounds_the_error(device, bits, numel, ranks, chunk):
+def test_rounding_to_nearest_matches_the_scheme_and_bounds_the_error(device, codes, numel, ranks, chunk):
     src = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+    src[::5] *= 1e-3  # e4m3: values across many binades, subnormal codes too
     packed, error, piece, decoded, shard = (t.cpu() if isinstance(t, torch.Tensor) else t
-                                            for t in round_trip(src.to(device), ranks, chunk, bits=bits))
-    code_bytes = shard * bits // 8
+                                            for t in round_trip(src.to(device), ranks, chunk, codes=codes))
+    code_bytes = shard * BITS[codes] // 8
     assert shard % chunk == 0 and shard * ranks >= numel > shard * (ranks - 1) - chunk
     assert packed.numel() == ranks * (code_bytes + 4 * shard // chunk)  # the codes and one float per chunk
     padded = torch.nn.functional.pad(src, (0, ranks * shard - numel))
-    expected, scale = encode(padded, chunk, bits=bits)
+    expected, _ = encode(padded, chunk, codes)
     torch.testing.assert_close(decoded, expected[:numel], rtol=0, atol=0)
     torch.testing.assert_close(error, src - decoded, rtol=0, atol=0)
-    assert bool(((src - decoded).abs().view(-1) <= scale.repeat_interleave(chunk)[:numel] / 2 + 1e-7).all())
+    assert bool(((src - decoded).abs() <= step_of(padded, chunk, codes)[:numel] / 2 + 1e-7).all())
     # every rank sent the same: shard 0's sum over the ranks, in rank order, divided and encoded again
     total = torch.zeros(shard)
     for _ in range(ranks):
         total = total + expected[:shard]
-    again, _ = encode(total / ranks, chunk, bits=bits)
+    again, _ = encode(total / ranks, chunk, codes)
     reduced = torch.tensor(piece[code_bytes:].numpy().view("float32"))
-    codes = unpack(piece[:code_bytes], bits).view(-1, chunk)
-    torch.testing.assert_close((codes * reduced[:, None]).view(-1), again, rtol=0, atol=0)
+    values = unpack(piece[:code_bytes], codes).view(-1, chunk)
+    torch.testing.assert_close((values * reduced[:, None]).view(-1), again, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bits", [8, 4])
-def test_stochastic_rounding_is_unbiased(device, bits):
+@pytest.mark.parametrize("codes", CODES)
+def test_stochastic_rounding_is_unbiased(device, codes):
     src = torch.randn(2048, generator=torch.Generator().manual_seed(7))
     draws = 400
-    mean = sum(round_trip(src.to(device), 1, 256, seed, bits)[3].cpu().double() for seed in range(draws)) / draws
-    scale = src.view(-1, 256).abs().amax(1).double().repeat_interleave(256) / LEVELS[bits]
-    # one draw errs by up to a scale, with variance <= scale^2 / 4: the mean of 400 by ~scale / 40
-    z = ((mean - src.double()) / (scale / 2 / math.sqrt(draws))).abs()
+    mean = sum(round_trip(src.to(device), 1, 256, seed, codes)[3].cpu().double() for seed in range(draws)) / draws
+    # one draw errs by up to a step, with variance <= step^2 / 4: the mean of 400 by ~step / 40
+    z = ((mean - src.double()) / (step_of(src, 256, codes) / 2 / math.sqrt(draws))).abs()
     assert float(z.mean()) < 1.0 and float(z.max()) < 6
-    nearest = round_trip(src.to(device), 1, 256, bits=bits)[3].cpu().double()
+    nearest = round_trip(src.to(device), 1, 256, codes=codes)[3].cpu().double()
     assert float((nearest - src).abs().mean()) > 5 * float((mean - src).abs().mean())  # no bias like rounding
 
 
 @needs_cuda
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, bits):
+def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes):
     src = (torch.randn(50_000, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
-    cpu = round_trip(src, 3, 512, 12345, bits)
-    gpu = round_trip(src.cuda(), 3, 512, 12345, bits)
+    src[::3] *= 1e-4
+    cpu = round_trip(src, 3, 512, 12345, codes)
+    gpu = round_trip(src.cuda(), 3, 512, 12345, codes)
     for a, b in zip(cpu[:4], gpu[:4]):
         assert torch.equal(a, b.cpu())
 
@@ -103,7 +122,7 @@ def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, bits):
 CHUNK = compression_runs.CHUNK
 
 
-def simulate(steps_locals, world, chunk, bits=8):
+def simulate(steps_locals, world, chunk, codes="int8"):
     """The scheme with error feedback and rounding to nearest, in float32 tensor ops."""
     numel = steps_locals[0][0].numel()
     shard = math.ceil(math.ceil(numel / world) / chunk) * chunk
@@ -113,13 +132,13 @@ def simulate(steps_locals, world, chunk, bits=8):
         decoded = []
         for r in range(world):
             sent = errors[r] + grads[r]
-            d, _ = encode(torch.nn.functional.pad(sent, (0, world * shard - numel)), chunk, bits=bits)
+            d, _ = encode(torch.nn.functional.pad(sent, (0, world * shard - numel)), chunk, codes)
             errors[r] = sent - d[:numel]
             decoded.append(d)
         total = torch.zeros(world * shard)
         for d in decoded:
             total = total + d
-        mean, _ = encode(total / world, chunk, bits=bits)
+        mean, _ = encode(total / world, chunk, codes)
         out.append(mean[:numel])
     return out
 
@@ -129,11 +148,14 @@ def run(world_size, hook):
     return distributed.run(compression_runs.hook_run, world_size, 4, hook)
 
 
+NEAREST_HOOKS = [("Quantize-nearest", "int8"), ("Quantize4-nearest", "int4"), ("QuantizeE4M3-nearest", "e4m3")]
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("hook,bits", [("Quantize-nearest", 8), ("Quantize4-nearest", 4)])
-def test_hook_equals_the_simulated_scheme(world_size, hook, bits):
+@pytest.mark.parametrize("hook,codes", NEAREST_HOOKS)
+def test_hook_equals_the_simulated_scheme(world_size, hook, codes):
     results = run(world_size, hook)
-    expected = simulate([grads for _, grads in results[0]["steps"]], world_size, CHUNK, bits)
+    expected = simulate([grads for _, grads in results[0]["steps"]], world_size, CHUNK, codes)
     for r in results:
         for (ours, _), theirs in zip(r["steps"], expected):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
@@ -141,10 +163,11 @@ def test_hook_equals_the_simulated_scheme(world_size, hook, bits):
 
 @needs_cuda
 @pytest.mark.needs_cuda
-def test_hook_on_nccl_equals_the_simulated_scheme():
+@pytest.mark.parametrize("hook,codes", NEAREST_HOOKS)
+def test_hook_on_nccl_equals_the_simulated_scheme(hook, codes):
     world = cuda_world_size()
-    results = distributed.run(compression_runs.hook_run, world, 4, "Quantize-nearest", "cuda", backend="nccl")
-    expected = simulate([grads for _, grads in results[0]["steps"]], world, CHUNK)
+    results = distributed.run(compression_runs.hook_run, world, 4, hook, "cuda", backend="nccl")
+    expected = simulate([grads for _, grads in results[0]["steps"]], world, CHUNK, codes)
     for r in results:
         for (ours, _), theirs in zip(r["steps"], expected):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
@@ -161,12 +184,12 @@ def test_stochastic_hook_is_close_to_the_mean_and_ranks_agree(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("hook,bits", [("Quantize-nearest", 8), ("Quantize4-nearest", 4)])
-def test_counters_count_the_quantized_bytes(world_size, hook, bits):
+@pytest.mark.parametrize("hook,codes", NEAREST_HOOKS)
+def test_counters_count_the_quantized_bytes(world_size, hook, codes):
     stats = run(world_size, hook)[0]["stats"]
     numel, steps = 300 * 70, 4
     shard = math.ceil(math.ceil(numel / world_size) / CHUNK) * CHUNK
-    quantized = world_size * (shard * bits // 8 + 4 * shard // CHUNK)
+    quantized = world_size * (shard * BITS[codes] // 8 + 4 * shard // CHUNK)
     assert stats["calls"] == steps and stats["bytes_in"] == steps * numel * 4
     assert stats["bytes_out"] == steps * quantized
     assert stats["compression_ratio"] == pytest.approx(numel * 4 / quantized)
@@ -184,7 +207,8 @@ def test_state_dict_carries_the_error_and_resumes_bit_for_bit():
 def test_bad_values_are_refused():
     import commtune as ct
 
-    for kw, word in [({"bits": 2}, "bits"), ({"bits": True}, "bits"), ({"chunk": 6}, "chunk"), ({"chunk": 12}, "chunk"), ({"chunk": 16384}, "chunk"),
+    for kw, word in [({"bits": 2}, "bits"), ({"bits": True}, "bits"), ({"chunk": 6}, "chunk"), ({"chunk": 12}, "chunk"),
+                     ({"chunk": 16384}, "chunk"), ({"format": "e5m2"}, "format"), ({"format": "e4m3", "bits": 4}, "e4m3"),
                      ({"stochastic": 1}, "stochastic"), ({"seed": -1}, "seed"), ({"min_size": -5}, "min_size")]:
         with pytest.raises(ValueError, match=word):
             ct.hooks.Quantize(**kw).validate()

@@ -123,7 +123,7 @@ PYBIND11_MODULE(_C, m) {
   using QuantizeOptions = QuantizeHook::Options;
   py::class_<QuantizeOptions>(m, "QuantizeOptions")
       .def(py::init<>())
-      .def_readwrite("bits", &QuantizeOptions::bits)
+      .def_readwrite("codes", &QuantizeOptions::codes)
       .def_readwrite("chunk", &QuantizeOptions::chunk)
       .def_readwrite("stochastic", &QuantizeOptions::stochastic)
       .def_readwrite("error_feedback", &QuantizeOptions::error_feedback)
@@ -168,31 +168,31 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("gathered"), py::arg("out"), py::arg("ranks"), py::arg("chunk"));
   // The quantized allreduce's passes on their own (kernel tests and benchmarks); see quantize.h.
-  m.def("quantize_layout", [](int64_t numel, int64_t ranks, int64_t chunk, int bits) {
-    const QuantizeLayout l = QuantizeLayout::of(numel, ranks, chunk, bits);
+  m.def("quantize_layout", [](int64_t numel, int64_t ranks, int64_t chunk, const std::string& codes) {
+    const QuantizeLayout l = QuantizeLayout::of(numel, ranks, chunk, codes_named(codes));
     return py::make_tuple(l.shard, l.piece_bytes());
-  }, py::arg("numel"), py::arg("ranks"), py::arg("chunk"), py::arg("bits") = 8,
+  }, py::arg("numel"), py::arg("ranks"), py::arg("chunk"), py::arg("codes") = "int8",
   "(elements per shard, bytes per encoded shard)");
   m.def("quantize_shards_",
         [](const at::Tensor& src, const std::optional<at::Tensor>& error, const at::Tensor& packed, int64_t ranks,
-           int64_t chunk, int64_t draws, int bits) {
+           int64_t chunk, int64_t draws, const std::string& codes) {
           quantize_shards_(src, error.value_or(at::Tensor()), packed,
-                           QuantizeLayout::of(src.numel(), ranks, chunk, bits), draws);
+                           QuantizeLayout::of(src.numel(), ranks, chunk, codes_named(codes)), draws);
         },
         py::arg("src"), py::arg("error"), py::arg("packed"), py::arg("ranks"), py::arg("chunk"), py::arg("draws") = -1,
-        py::arg("bits") = 8);
+        py::arg("codes") = "int8");
   m.def("reduce_shard_",
         [](const at::Tensor& received, const at::Tensor& piece, int64_t numel, int64_t ranks, int64_t chunk,
-           int64_t divisor, int64_t draws, int bits) {
-          reduce_shard_(received, piece, QuantizeLayout::of(numel, ranks, chunk, bits), divisor, draws);
+           int64_t divisor, int64_t draws, const std::string& codes) {
+          reduce_shard_(received, piece, QuantizeLayout::of(numel, ranks, chunk, codes_named(codes)), divisor, draws);
         },
         py::arg("received"), py::arg("piece"), py::arg("numel"), py::arg("ranks"), py::arg("chunk"),
-        py::arg("divisor"), py::arg("draws") = -1, py::arg("bits") = 8);
+        py::arg("divisor"), py::arg("draws") = -1, py::arg("codes") = "int8");
   m.def("dequantize_shards_",
-        [](const at::Tensor& packed, const at::Tensor& out, int64_t ranks, int64_t chunk, int bits) {
-          dequantize_shards_(packed, out, QuantizeLayout::of(out.numel(), ranks, chunk, bits));
+        [](const at::Tensor& packed, const at::Tensor& out, int64_t ranks, int64_t chunk, const std::string& codes) {
+          dequantize_shards_(packed, out, QuantizeLayout::of(out.numel(), ranks, chunk, codes_named(codes)));
         },
-        py::arg("packed"), py::arg("out"), py::arg("ranks"), py::arg("chunk"), py::arg("bits") = 8);
+        py::arg("packed"), py::arg("out"), py::arg("ranks"), py::arg("chunk"), py::arg("codes") = "int8");
 
   m.def("cast_scale", &cast_scale, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         "(src * scale) cast to dtype in one pass");

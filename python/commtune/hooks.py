@@ -56,11 +56,13 @@ class Cast(HookConfig):
 
 @dataclass(frozen=True)
 class Quantize(HookConfig):
-    """8- or 4-bit quantized mean (see README): per-chunk absmax codes, an all-to-all of shards, each
-    rank averaging and re-encoding its own shard, an all-gather. Buckets under `min_size` bytes
-    go as a plain mean allreduce."""
+    """Quantized mean (see README): per-chunk absmax codes, an all-to-all of shards, each rank
+    averaging and re-encoding its own shard, an all-gather. `format` "int" sends integer codes of
+    `bits` (8, or 4 packed two per byte); "e4m3" sends fp8 bytes (torch.float8_e4m3fn's layout,
+    bits must be 8). Buckets under `min_size` bytes go as a plain mean allreduce."""
 
     bits: int = 8
+    format: str = "int"
     chunk: int = 1024
     stochastic: bool = True
     error_feedback: bool = True
@@ -70,7 +72,11 @@ class Quantize(HookConfig):
 
     def validate(self):
         if self.bits not in (8, 4) or isinstance(self.bits, bool):
-            raise ValueError(f"Quantize: bits must be 8 or 4 (fp8 is not built yet), got {self.bits!r}")
+            raise ValueError(f"Quantize: bits must be 8 or 4, got {self.bits!r}")
+        if self.format not in ("int", "e4m3"):
+            raise ValueError(f"Quantize: format must be 'int' or 'e4m3' (fp8), got {self.format!r}")
+        if self.format == "e4m3" and self.bits != 8:
+            raise ValueError(f"Quantize: format 'e4m3' is 8 bits per value; got bits={self.bits!r}")
         if not _is_int(self.chunk) or not 8 <= self.chunk <= 8192 or self.chunk % 8:
             raise ValueError(f"Quantize: chunk must be a multiple of 8 between 8 and 8192, got {self.chunk!r}")
         for flag in ("stochastic", "error_feedback"):
@@ -82,9 +88,14 @@ class Quantize(HookConfig):
             raise ValueError(f"Quantize: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
 
     def _register(self, reducer, process_group):
-        options = _options(self, _C.QuantizeOptions(),
-                           ("bits", "chunk", "stochastic", "error_feedback", "seed", "min_size"))
+        options = _options(self, _C.QuantizeOptions(), ("chunk", "stochastic", "error_feedback", "seed", "min_size"))
+        options.codes = self.codes
         return _C.register_quantize(reducer, process_group, options)
+
+    @property
+    def codes(self):
+        """The kernels' name for the codes: "int8", "int4" or "e4m3"."""
+        return "e4m3" if self.format == "e4m3" else f"int{self.bits}"
 
 
 @dataclass(frozen=True)

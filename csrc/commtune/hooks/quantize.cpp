@@ -4,9 +4,7 @@
 namespace commtune {
 
 QuantizeHook::QuantizeHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options)
-    : ErrorFeedbackHook(std::move(process_group), "Quantize"), options_(options) {
-  TORCH_CHECK(options_.bits == 8 || options_.bits == 4, "commtune.Quantize: bits must be 8 or 4, got ",
-              options_.bits);
+    : ErrorFeedbackHook(std::move(process_group), "Quantize"), options_(options), codes_(codes_named(options.codes)) {
   TORCH_CHECK(options_.chunk >= 8 && options_.chunk <= 8192 && options_.chunk % 8 == 0,
               "commtune.Quantize: chunk must be a multiple of 8 between 8 and 8192, got ", options_.chunk);
   check_min_size(options_.min_size);
@@ -28,7 +26,7 @@ Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
     return plain_mean(buffer);
   }
   const int64_t n = world_size();
-  const QuantizeLayout layout = QuantizeLayout::of(buffer.numel(), n, options_.chunk, static_cast<int>(options_.bits));
+  const QuantizeLayout layout = QuantizeLayout::of(buffer.numel(), n, options_.chunk, codes_);
   at::Tensor error;
   if (options_.error_feedback) {
     error = add_to_error(bucket);

@@ -4,14 +4,14 @@
 
 namespace commtune {
 
-// 8- or 4-bit quantized mean: per-chunk absmax codes exchanged as an all-to-all of shards, each
+// Quantized mean (int8, int4 or fp8 e4m3 codes): per-chunk absmax codes exchanged as an all-to-all of shards, each
 // rank averaging its own shard and re-encoding it, then an all-gather (each rank sends about
 // 2(n-1)/n of the quantized bucket, as a ring allreduce does of the full one). With error
 // feedback the first encoding's error is added to the next iteration's gradients.
 class QuantizeHook : public ErrorFeedbackHook {
  public:
   struct Options {
-    int64_t bits = 8;  // 8 or 4 (two codes per byte)
+    std::string codes = "int8";  // "int8", "int4" (two per byte) or "e4m3" (fp8)
     int64_t chunk = 1024;  // elements per scale
     bool stochastic = true;  // unbiased stochastic rounding; off: round to nearest
     bool error_feedback = true;
@@ -28,6 +28,7 @@ class QuantizeHook : public ErrorFeedbackHook {
   int64_t draws(const c10d::GradBucket& bucket, int64_t pass) const;
 
   Options options_;
+  quant::Codes codes_;
 };
 
 } // namespace commtune

@@ -26,32 +26,39 @@ void check_values(const at::Tensor& t, int64_t numel, const char* what) {
 }
 
 // Encodes `values` (one chunk, as floats) with its absmax scale into `codes`; returns the scale.
-float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t draws, int bits, uint8_t* codes) {
+float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t draws, quant::Codes kind,
+                   uint8_t* codes) {
   float absmax = 0;
   for (int64_t j = 0; j < n; ++j) absmax = std::max(absmax, std::fabs(values[j]));
-  const float scale = quant::scale_of(absmax, bits), inverse = quant::inverse(scale);
+  const float scale = quant::scale_of(absmax, kind), inverse = quant::inverse(scale);
   for (int64_t j = 0; j < n; j += 4) {
     int8_t q[4];
     for (int k = 0; k < 4; ++k) {
       const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
-      q[k] = quant::encode(values[j + k], inverse, draw, bits);
+      q[k] = quant::encode(values[j + k], inverse, draw, kind);
     }
-    quant::store_four_codes(codes, j, q, bits);
+    quant::store_four_codes(codes, j, q, kind);
   }
   return scale;
 }
 
 } // namespace
 
-QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, int bits) {
-  TORCH_CHECK(bits == 8 || bits == 4, "Quantize: bits must be 8 or 4, got ", bits);
+quant::Codes codes_named(const std::string& name) {
+  if (name == "int8") return quant::Codes::int8;
+  if (name == "int4") return quant::Codes::int4;
+  TORCH_CHECK(name == "e4m3", "Quantize: codes must be \"int8\", \"int4\" or \"e4m3\", got \"", name, "\"");
+  return quant::Codes::e4m3;
+}
+
+QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, quant::Codes codes) {
   TORCH_CHECK(ranks >= 1 && chunk >= 8 && chunk % 8 == 0, "Quantize: chunk must be a positive multiple of 8, got ",
               chunk);
   QuantizeLayout l;
   l.numel = numel;
   l.ranks = ranks;
   l.chunk = chunk;
-  l.bits = bits;
+  l.kind = codes;
   const int64_t per_rank = (numel + ranks - 1) / ranks;
   l.shard = std::max<int64_t>(1, (per_rank + chunk - 1) / chunk) * chunk;
   return l;
@@ -79,13 +86,13 @@ void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::
           values[j] = first + j < layout.numel ? static_cast<float>(in[first + j]) : 0.0f;
         }
         uint8_t* codes = layout.codes(out, s, c);
-        const float scale = encode_chunk(values.data(), layout.chunk, first, draws, layout.bits, codes);
+        const float scale = encode_chunk(values.data(), layout.chunk, first, draws, layout.kind, codes);
         *layout.scale(out, s, c) = scale;
         for (int64_t j = 0; err != nullptr && j < layout.chunk && first + j < layout.numel; j += 4) {
           int8_t q[4];
-          quant::load_four_codes(codes, j, layout.bits, q);
+          quant::load_four_codes(codes, j, layout.kind, q);
           for (int k = 0; k < 4 && first + j + k < layout.numel; ++k) {
-            err[first + j + k] = static_cast<scalar_t>(quant::add(values[j + k], -quant::decode(q[k], scale)));
+            err[first + j + k] = static_cast<scalar_t>(quant::add(values[j + k], -quant::decode(q[k], scale, layout.kind)));
           }
         }
       }
@@ -113,13 +120,13 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
         const float scale = *layout.scale(in, r, c);
         for (int64_t j = 0; j < layout.chunk; j += 4) {
           int8_t q[4];
-          quant::load_four_codes(codes, j, layout.bits, q);
-          for (int k = 0; k < 4; ++k) values[j + k] = quant::add(values[j + k], quant::decode(q[k], scale));
+          quant::load_four_codes(codes, j, layout.kind, q);
+          for (int k = 0; k < 4; ++k) values[j + k] = quant::add(values[j + k], quant::decode(q[k], scale, layout.kind));
         }
       }
       for (int64_t j = 0; j < layout.chunk; ++j) values[j] = quant::div(values[j], static_cast<float>(divisor));
       *layout.scale(out, 0, c) =
-          encode_chunk(values.data(), layout.chunk, c * layout.chunk, draws, layout.bits, layout.codes(out, 0, c));
+          encode_chunk(values.data(), layout.chunk, c * layout.chunk, draws, layout.kind, layout.codes(out, 0, c));
     }
   });
 }
@@ -141,9 +148,9 @@ void dequantize_shards_(const at::Tensor& packed, const at::Tensor& out, const Q
         const float scale = *layout.scale(in, s, c);
         for (int64_t j = 0; j < layout.chunk && first + j < layout.numel; j += 4) {
           int8_t q[4];
-          quant::load_four_codes(layout.codes(in, s, c), j, layout.bits, q);
+          quant::load_four_codes(layout.codes(in, s, c), j, layout.kind, q);
           for (int k = 0; k < 4 && first + j + k < layout.numel; ++k) {
-            dst[first + j + k] = static_cast<scalar_t>(quant::decode(q[k], scale));
+            dst[first + j + k] = static_cast<scalar_t>(quant::decode(q[k], scale, layout.kind));
           }
         }
       }

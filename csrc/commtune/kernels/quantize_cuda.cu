@@ -1,6 +1,9 @@
 // CUDA kernels of the quantized allreduce's passes (the checks and CPU loops live in
-// quantize.cpp, the arithmetic in quantize_rules.h). One block per chunk: the chunk is read once
-// into shared memory as floats, its absmax reduced there, then encoded.
+// quantize.cpp, the arithmetic in quantize_rules.h). Chunks of up to 1024 elements (the default)
+// take one warp each: a lane keeps its up to 32 values in registers, the absmax is a warp
+// shuffle, and a lane has up to eight 16-byte loads in flight, which is what keeps HBM busy.
+// Larger chunks take one block each, staged in shared memory. The kinds of codes are template
+// arguments, so the per-element rules compile without branches.
 #include <commtune/kernels/quantize.h>
 #include <commtune/kernels/quantize_rules.h>
 
@@ -11,6 +14,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 namespace commtune {
 namespace {
@@ -66,17 +70,18 @@ __device__ __forceinline__ void store_four(scalar_t* __restrict__ dst, int64_t a
 
 // Encodes four values of the chunk held in shared memory into one store of codes.
 __device__ __forceinline__ void encode_four(const float* values, int64_t j, uint64_t first_index, int64_t draws,
-                                            float inverse, int bits, uint8_t* codes, int8_t (&q)[4]) {
+                                            float inverse, quant::Codes kind, uint8_t* codes, int8_t (&q)[4]) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
-    q[k] = quant::encode(values[j + k], inverse, draw, bits);
+    q[k] = quant::encode(values[j + k], inverse, draw, kind);
   }
-  quant::store_four_codes(codes, j, q, bits);
+  quant::store_four_codes(codes, j, q, kind);
 }
 
+// ---- one block per chunk (chunk > 1024) -----------------------------------------------------
 // Chunks are whole multiples of 8 elements, so a chunk's codes start 4-byte aligned (8 bits)
-// or 2-byte aligned (4 bits): four codes are one access.
+// or 2-byte aligned (int4): four codes are one access.
 template <typename scalar_t>
 __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ packed,
                                 QuantizeLayout l, int64_t draws, bool vector) {
@@ -86,14 +91,14 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* erro
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) load_four(src, first + j, l.numel, vector, values + j);
   __syncthreads();
   uint8_t* codes = l.codes(packed, s, c);
-  const float scale = quant::scale_of(block_absmax(values, l.chunk), l.bits), inverse = quant::inverse(scale);
+  const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
     int8_t q[4];
-    encode_four(values, j, first, draws, inverse, l.bits, codes, q);
+    encode_four(values, j, first, draws, inverse, l.kind, codes, q);
     if (error != nullptr) {
       float rest[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[j + k], -quant::decode(q[k], scale));
+      for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[j + k], -quant::decode(q[k], scale, l.kind));
       store_four(error, first + j, l.numel, vector, rest);
     }
   }
@@ -106,21 +111,22 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
   const int64_t c = blockIdx.x;
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8  // the ranks' loads are independent: let them be in flight together
     for (int64_t r = 0; r < l.ranks; ++r) {
       int8_t q[4];
-      quant::load_four_codes(l.codes(received, r, c), j, l.bits, q);
+      quant::load_four_codes(l.codes(received, r, c), j, l.kind, q);
       const float scale = *l.scale(received, r, c);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], quant::decode(q[k], scale));
+      for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], quant::decode(q[k], scale, l.kind));
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) values[j + k] = quant::div(sum[k], divisor);
   }
   __syncthreads();
-  const float scale = quant::scale_of(block_absmax(values, l.chunk), l.bits), inverse = quant::inverse(scale);
+  const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
     int8_t q[4];
-    encode_four(values, j, c * l.chunk, draws, inverse, l.bits, l.codes(piece, 0, c), q);
+    encode_four(values, j, c * l.chunk, draws, inverse, l.kind, l.codes(piece, 0, c), q);
   }
   if (threadIdx.x == 0) *l.scale(piece, 0, c) = scale;
 }
@@ -134,13 +140,157 @@ __global__ void dequantize_kernel(uint8_t* __restrict__ packed, scalar_t* __rest
   const float scale = *l.scale(packed, s, c);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk && first + j < l.numel; j += 4 * kThreads) {
     int8_t q[4];
-    quant::load_four_codes(codes, j, l.bits, q);
+    quant::load_four_codes(codes, j, l.kind, q);
     float values[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[k], scale);
+    for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[k], scale, l.kind);
     store_four(out, first + j, l.numel, vector, values);
   }
 }
+
+// ---- one warp per chunk (chunk <= 1024) ----------------------------------------------------
+
+constexpr int kWarp = 32;
+constexpr int kMaxFours = 8;  // groups of four values a lane holds: 32 values, chunks up to 1024
+constexpr int64_t kWarpChunkLimit = kWarp * kMaxFours * 4;
+
+__device__ __forceinline__ float warp_absmax(float m) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// The chunk this warp owns (flat over shards), or -1 past the last.
+__device__ __forceinline__ int64_t warp_chunk(int64_t chunks) {
+  const int64_t g = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  return g < chunks ? g : -1;
+}
+
+// Lane `lane`'s i-th group of four starts at element 4 * (lane + 32 i) of the chunk: a warp's
+// accesses of one i are contiguous.
+__device__ __forceinline__ int64_t group_start(int lane, int i) { return 4 * (lane + kWarp * i); }
+
+template <quant::Codes kKind>
+__device__ __forceinline__ void encode_lane(float (&v)[kMaxFours][4], int lane, int64_t chunk, uint64_t first_index,
+                                            int64_t draws, float inverse, uint8_t* codes, int8_t (&q)[kMaxFours][4]) {
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
+    const int64_t j = group_start(lane, i);
+    if (j >= chunk) break;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
+      q[i][k] = quant::encode(v[i][k], inverse, draw, kKind);
+    }
+    quant::store_four_codes(codes, j, q[i], kKind);
+  }
+}
+
+template <typename scalar_t, quant::Codes kKind>
+__global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ packed,
+                                     QuantizeLayout l, int64_t draws, bool vector) {
+  const int64_t g = warp_chunk(l.ranks * l.chunks_per_shard());
+  if (g < 0) return;  // the whole warp: chunks are whole warps
+  const int lane = threadIdx.x % kWarp;
+  const int64_t s = g / l.chunks_per_shard(), c = g % l.chunks_per_shard();
+  const int64_t first = s * l.shard + c * l.chunk;
+  float v[kMaxFours][4];
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
+    const int64_t j = group_start(lane, i);
+    if (j >= l.chunk) break;
+    load_four(src, first + j, l.numel, vector, v[i]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m = fmaxf(m, fabsf(v[i][k]));
+  }
+  const float scale = quant::scale_of(warp_absmax(m), kKind), inverse = quant::inverse(scale);
+  int8_t q[kMaxFours][4];
+  encode_lane<kKind>(v, lane, l.chunk, first, draws, inverse, l.codes(packed, s, c), q);
+  if (error != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kMaxFours; ++i) {
+      const int64_t j = group_start(lane, i);
+      if (j >= l.chunk) break;
+      float rest[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) rest[k] = quant::add(v[i][k], -quant::decode(q[i][k], scale, kKind));
+      store_four(error, first + j, l.numel, vector, rest);
+    }
+  }
+  if (lane == 0) *l.scale(packed, s, c) = scale;
+}
+
+template <quant::Codes kKind>
+__global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
+                                   float divisor, int64_t draws) {
+  const int64_t c = warp_chunk(l.chunks_per_shard());
+  if (c < 0) return;
+  const int lane = threadIdx.x % kWarp;
+  float v[kMaxFours][4] = {};
+#pragma unroll 4
+  for (int64_t r = 0; r < l.ranks; ++r) {
+    const uint8_t* codes = l.codes(const_cast<uint8_t*>(received), r, c);
+    const float scale = *l.scale(const_cast<uint8_t*>(received), r, c);
+#pragma unroll
+    for (int i = 0; i < kMaxFours; ++i) {
+      const int64_t j = group_start(lane, i);
+      if (j >= l.chunk) break;
+      int8_t q[4];
+      quant::load_four_codes(codes, j, kKind, q);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[i][k] = quant::add(v[i][k], quant::decode(q[k], scale, kKind));
+    }
+  }
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[i][k] = quant::div(v[i][k], divisor);
+      m = fmaxf(m, fabsf(v[i][k]));  // groups past the chunk hold zeros
+    }
+  }
+  const float scale = quant::scale_of(warp_absmax(m), kKind), inverse = quant::inverse(scale);
+  int8_t q[kMaxFours][4];
+  encode_lane<kKind>(v, lane, l.chunk, c * l.chunk, draws, inverse, l.codes(piece, 0, c), q);
+  if (lane == 0) *l.scale(piece, 0, c) = scale;
+}
+
+template <typename scalar_t, quant::Codes kKind>
+__global__ void dequantize_warp_kernel(const uint8_t* __restrict__ packed, scalar_t* __restrict__ out,
+                                       QuantizeLayout l, bool vector) {
+  const int64_t g = warp_chunk(l.ranks * l.chunks_per_shard());
+  if (g < 0) return;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t s = g / l.chunks_per_shard(), c = g % l.chunks_per_shard();
+  const int64_t first = s * l.shard + c * l.chunk;
+  const uint8_t* codes = l.codes(const_cast<uint8_t*>(packed), s, c);
+  const float scale = *l.scale(const_cast<uint8_t*>(packed), s, c);
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
+    const int64_t j = group_start(lane, i);
+    if (j >= l.chunk || first + j >= l.numel) break;
+    int8_t q[4];
+    quant::load_four_codes(codes, j, kKind, q);
+    float values[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[k], scale, kKind);
+    store_four(out, first + j, l.numel, vector, values);
+  }
+}
+
+// Calls f with the kind of codes as a compile-time constant.
+template <typename F>
+void with_codes(quant::Codes kind, F&& f) {
+  switch (kind) {
+    case quant::Codes::int8: return f(std::integral_constant<quant::Codes, quant::Codes::int8>{});
+    case quant::Codes::int4: return f(std::integral_constant<quant::Codes, quant::Codes::int4>{});
+    case quant::Codes::e4m3: return f(std::integral_constant<quant::Codes, quant::Codes::e4m3>{});
+  }
+}
+
+int64_t warp_blocks(int64_t chunks) { return (chunks * kWarp + kThreads - 1) / kThreads; }
 
 // Whether every access of four elements from these pointers can be one vector access.
 template <typename scalar_t>
@@ -162,8 +312,17 @@ void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "quantize_shards", [&] {
     const scalar_t* in = src.const_data_ptr<scalar_t>();
     scalar_t* err = error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr;
-    quantize_kernel<scalar_t><<<blocks, kThreads, chunk_bytes(layout), at::cuda::getCurrentCUDAStream()>>>(
-        in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, four_aligned<scalar_t>({in, err}));
+    const bool vector = four_aligned<scalar_t>({in, err});
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    if (layout.chunk <= kWarpChunkLimit) {
+      with_codes(layout.kind, [&](auto kind) {
+        quantize_warp_kernel<scalar_t, decltype(kind)::value><<<warp_blocks(blocks), kThreads, 0, stream>>>(
+            in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, vector);
+      });
+    } else {
+      quantize_kernel<scalar_t><<<blocks, kThreads, chunk_bytes(layout), stream>>>(
+          in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, vector);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -171,9 +330,18 @@ void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const
 void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, const QuantizeLayout& layout,
                         int64_t divisor, int64_t draws) {
   const c10::cuda::CUDAGuard guard(received.device());
-  reduce_kernel<<<layout.chunks_per_shard(), kThreads, chunk_bytes(layout), at::cuda::getCurrentCUDAStream()>>>(
-      received.mutable_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, static_cast<float>(divisor),
-      draws);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (layout.chunk <= kWarpChunkLimit) {
+    with_codes(layout.kind, [&](auto kind) {
+      reduce_warp_kernel<decltype(kind)::value><<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
+          received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, static_cast<float>(divisor),
+          draws);
+    });
+  } else {
+    reduce_kernel<<<layout.chunks_per_shard(), kThreads, chunk_bytes(layout), stream>>>(
+        received.mutable_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, static_cast<float>(divisor),
+        draws);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -182,8 +350,17 @@ void dequantize_shards_cuda_(const at::Tensor& packed, const at::Tensor& out, co
   const int64_t blocks = layout.ranks * layout.chunks_per_shard();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dequantize_shards", [&] {
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    dequantize_kernel<scalar_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        packed.mutable_data_ptr<uint8_t>(), dst, layout, four_aligned<scalar_t>({dst}));
+    const bool vector = four_aligned<scalar_t>({dst});
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    if (layout.chunk <= kWarpChunkLimit) {
+      with_codes(layout.kind, [&](auto kind) {
+        dequantize_warp_kernel<scalar_t, decltype(kind)::value><<<warp_blocks(blocks), kThreads, 0, stream>>>(
+            packed.const_data_ptr<uint8_t>(), dst, layout, vector);
+      });
+    } else {
+      dequantize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(packed.mutable_data_ptr<uint8_t>(), dst, layout,
+                                                                   vector);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -1,10 +1,16 @@
 #pragma once
-// The arithmetic of 8- and 4-bit quantization, shared by the CPU loops and the CUDA kernels so both
-// give the same bits: per-chunk absmax scaling to codes in [-127, 127] (0 is exact), rounding
-// down after adding a uniform draw (unbiased; a draw of 0.5 rounds to nearest), draws from a
-// counter-based hash of (seed, element index). 4-bit codes are in [-7, 7], two per byte (the
-// even element in the low half), stored plus 8. Products and sums use round-to-nearest
-// intrinsics on the GPU so that --use_fast_math cannot fuse or approximate them.
+// The arithmetic of the quantized codes, shared by the CPU loops and the CUDA kernels so both
+// give the same bits. Every chunk is scaled by its absmax onto the codes' range, then rounded
+// down after adding a uniform draw (unbiased; a draw of 0.5 rounds to nearest, ties away from
+// zero); draws come from a counter-based hash of (seed, element index).
+//   int8: integers in [-127, 127] (0 is exact).
+//   int4: integers in [-7, 7], two per byte (the even element in the low half), stored plus 8.
+//   e4m3: fp8 bytes in the e4m3fn layout torch calls float8_e4m3fn (|value| <= 448), rounded
+//         within the binade of the scaled value (to nearest: ties to even, as torch's own
+//         conversion); done in integer and power-of-two arithmetic, so it needs no fp8
+//         hardware and gives the same bits everywhere.
+// Products and sums use round-to-nearest intrinsics on the GPU so that --use_fast_math cannot
+// fuse or approximate them.
 #include <cmath>
 #include <cstdint>
 
@@ -16,7 +22,14 @@
 
 namespace commtune::quant {
 
-COMMTUNE_HD int levels(int bits) { return bits == 8 ? 127 : 7; }
+enum class Codes : int { int8 = 0, int4 = 1, e4m3 = 2 };
+
+COMMTUNE_HD int bits_of(Codes codes) { return codes == Codes::int4 ? 4 : 8; }
+
+// The largest code magnitude: a chunk's absmax maps onto it.
+COMMTUNE_HD float top_of(Codes codes) {
+  return codes == Codes::int8 ? 127.0f : codes == Codes::int4 ? 7.0f : 448.0f;
+}
 
 COMMTUNE_HD float mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -54,21 +67,52 @@ COMMTUNE_HD float uniform(uint64_t seed, uint64_t index) {
   return static_cast<float>(mix(seed + (index + 1) * 0x9E3779B97F4A7C15ull) >> 40) * (1.0f / 16777216.0f);
 }
 
-COMMTUNE_HD float scale_of(float absmax, int bits) { return div(absmax, static_cast<float>(levels(bits))); }
+COMMTUNE_HD float scale_of(float absmax, Codes codes) { return div(absmax, top_of(codes)); }
 
 COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) : 0.0f; }
 
-COMMTUNE_HD int8_t encode(float x, float inverse_scale, float draw, int bits) {
+// y (already scaled, |y| <= 448 up to rounding) as an e4m3fn byte: 3 mantissa bits, exponent
+// bias 7, subnormals below 2^-6 in steps of 2^-9. q counts steps of the binade of |y|.
+COMMTUNE_HD uint8_t encode_e4m3(float y, float draw) {
+  const float a = fminf(fabsf(y), 448.0f);
+  if (!(a > 0.0f)) return 0;
+  int exponent = 0;
+  frexpf(a, &exponent);  // a = m * 2^exponent, m in [0.5, 1)
+  int e = exponent - 1 < -6 ? -6 : exponent - 1;  // a in [2^e, 2^(e+1)), or subnormal
+  const float steps = ldexpf(a, 3 - e);  // a in steps of 2^(e-3): 8..16 (0..8 subnormal)
+  int q = static_cast<int>(floorf(add(steps, draw)));
+  if (draw == 0.5f && q % 2 == 1 && add(steps, 0.5f) == static_cast<float>(q)) q -= 1;  // a tie: to even, as torch
+  if (e == 8 && q > 14) q = 14;  // 448 = 14 * 2^5 is the largest finite e4m3fn
+  if (q == 16) {
+    e += 1;
+    q = 8;
+  }
+  const uint8_t magnitude = q < 8 ? static_cast<uint8_t>(q) : static_cast<uint8_t>((e + 7) << 3 | (q - 8));
+  return magnitude == 0 ? 0 : static_cast<uint8_t>(magnitude | (y < 0.0f ? 0x80 : 0));
+}
+
+COMMTUNE_HD float decode_e4m3(uint8_t code) {
+  const int e = (code >> 3) & 15, m = code & 7;
+  const float magnitude = e == 0 ? ldexpf(static_cast<float>(m), -9) : ldexpf(static_cast<float>(8 + m), e - 10);
+  return code & 0x80 ? -magnitude : magnitude;
+}
+
+// x as a code (the byte, for e4m3), given the chunk's inverse scale and a draw in [0, 1).
+COMMTUNE_HD int8_t encode(float x, float inverse_scale, float draw, Codes codes) {
+  if (codes == Codes::e4m3) return static_cast<int8_t>(encode_e4m3(mul(x, inverse_scale), draw));
   const float y = floorf(add(mul(x, inverse_scale), draw));
-  const float top = static_cast<float>(levels(bits));
+  const float top = top_of(codes);
   return static_cast<int8_t>(fminf(fmaxf(y, -top), top));
 }
 
-COMMTUNE_HD float decode(int8_t code, float scale) { return mul(static_cast<float>(code), scale); }
+COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) {
+  const float value = codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(code)) : static_cast<float>(code);
+  return mul(value, scale);
+}
 
 // Codes j..j+3 of a chunk whose codes start at `codes` (j a multiple of 4): one 4- or 2-byte access.
-COMMTUNE_HD void store_four_codes(uint8_t* codes, int64_t j, const int8_t (&q)[4], int bits) {
-  if (bits == 8) {
+COMMTUNE_HD void store_four_codes(uint8_t* codes, int64_t j, const int8_t (&q)[4], Codes kind) {
+  if (bits_of(kind) == 8) {
     *reinterpret_cast<uint32_t*>(codes + j) = static_cast<uint32_t>(static_cast<uint8_t>(q[0])) |
                                               static_cast<uint32_t>(static_cast<uint8_t>(q[1])) << 8 |
                                               static_cast<uint32_t>(static_cast<uint8_t>(q[2])) << 16 |
@@ -79,8 +123,8 @@ COMMTUNE_HD void store_four_codes(uint8_t* codes, int64_t j, const int8_t (&q)[4
   }
 }
 
-COMMTUNE_HD void load_four_codes(const uint8_t* codes, int64_t j, int bits, int8_t (&q)[4]) {
-  if (bits == 8) {
+COMMTUNE_HD void load_four_codes(const uint8_t* codes, int64_t j, Codes kind, int8_t (&q)[4]) {
+  if (bits_of(kind) == 8) {
     const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + j);
     for (int k = 0; k < 4; ++k) q[k] = static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * k)));
   } else {

@@ -1,10 +1,12 @@
-"""Compression kernels on one GPU: each pass of the 8-bit Quantize scheme on a 100 MB fp32
-bucket against a device-to-device copy of the same bucket, and the bytes each rank puts on
-the wire against a ring allreduce of the uncompressed bucket.
+"""Compression kernels on one GPU: each pass of the Quantize scheme (int8, int4 and fp8 e4m3
+codes) on a 100 MB fp32 bucket against a device-to-device copy of the same bucket, and the
+bytes each rank puts on the wire against a ring allreduce of the uncompressed bucket.
 
 Bandwidth counts the bytes a pass must read and write once: quantize reads the bucket and
 writes the codes, the scales and the error buffer; reduce reads the ranks' encoded shards and
-writes one; dequantize reads the encoded bucket and writes the bucket.
+writes one; dequantize reads the encoded bucket and writes the bucket. The reduce pass of a
+real step handles one shard (1/ranks of the bucket); it is also timed on a shard as large as
+the whole bucket, where its launch and tail no longer dominate.
 """
 import argparse
 
@@ -14,22 +16,65 @@ from .. import _C
 from .common import cuda_time_ms, environment, format_rows, write_results
 
 
-def measure(numel, ranks, chunk, iters, device):
-    shard, piece = _C.quantize_layout(numel, ranks, chunk)
+def passes_of(codes, numel, ranks, chunk, device):
+    """name -> (the pass, the bytes it must move) for one kind of codes."""
+    shard, piece = _C.quantize_layout(numel, ranks, chunk, codes)
     src = torch.randn(numel, device=device)
     error = torch.empty_like(src)
     packed = torch.empty(ranks * piece, dtype=torch.uint8, device=device)
     mine = torch.empty(piece, dtype=torch.uint8, device=device)
     out = torch.empty_like(src)
-    copy = torch.empty_like(src)
-    passes = {
-        "quantize (stochastic, error feedback)": (lambda: _C.quantize_shards_(src, error, packed, ranks, chunk, 7),
-                                                  4 * numel + ranks * piece + 4 * numel),
-        "reduce one shard": (lambda: _C.reduce_shard_(packed, mine, numel, ranks, chunk, ranks, 7),
-                             ranks * piece + piece),
-        "dequantize": (lambda: _C.dequantize_shards_(packed, out, ranks, chunk), ranks * piece + 4 * numel),
-        "device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel),
+    _C.quantize_shards_(src, None, packed, ranks, chunk, 7, codes)
+    # `ranks` pieces of a shard the size of the bucket: every rank's encoding of the whole bucket
+    _, whole = _C.quantize_layout(numel, 1, chunk, codes)
+    big = torch.empty(ranks * whole, dtype=torch.uint8, device=device)
+    for r in range(ranks):
+        _C.quantize_shards_(src, None, big[r * whole:(r + 1) * whole], 1, chunk, r, codes)
+    big_mine = torch.empty(whole, dtype=torch.uint8, device=device)
+    return {
+        f"{codes} quantize (stochastic, error feedback)": (
+            lambda: _C.quantize_shards_(src, error, packed, ranks, chunk, 7, codes), 4 * numel + ranks * piece + 4 * numel),
+        f"{codes} reduce one shard": (
+            lambda: _C.reduce_shard_(packed, mine, numel, ranks, chunk, ranks, 7, codes), ranks * piece + piece),
+        f"{codes} reduce a bucket-sized shard": (
+            lambda: _C.reduce_shard_(big, big_mine, numel * ranks, ranks, chunk, ranks, 7, codes),
+            ranks * whole + whole),
+        f"{codes} dequantize": (
+            lambda: _C.dequantize_shards_(packed, out, ranks, chunk, codes), ranks * piece + 4 * numel),
+    }, piece
+
+
+def sparsifier_passes(numel, ranks, chunk, device):
+    """SignSGD's two kernels, and the exact top-k selection TopK runs (torch.topk: a radix
+    select, not a sort) at ratio 0.01."""
+    src = torch.randn(numel, device=device)
+    error = torch.empty_like(src)
+    out = torch.empty_like(src)
+    piece = _C.sign_piece_bytes(numel, chunk)
+    gathered = torch.empty(ranks * piece, dtype=torch.uint8, device=device)
+    for r in range(ranks):
+        _C.sign_encode_(src, None, gathered[r * piece:(r + 1) * piece], chunk)
+    k = numel // 100
+    return {
+        "sign encode (error feedback)": (lambda: _C.sign_encode_(src, error, gathered[:piece], chunk),
+                                         4 * numel + 4 * numel + piece),
+        f"sign decode the mean of {ranks} ranks": (lambda: _C.sign_decode_mean_(gathered, out, ranks, chunk),
+                                                    ranks * piece + 4 * numel),
+        "top-k select, ratio 0.01 (torch.topk)": (lambda: src.abs().topk(k, sorted=False), 4 * numel + 8 * k),
     }
+
+
+def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3")):
+    src = torch.randn(numel, device=device)
+    copy = torch.empty_like(src)
+    passes = {"device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel)}
+    wire = {"allreduce_bytes_per_rank": 2 * (ranks - 1) * 4 * numel / ranks}
+    for kind in codes:
+        more, piece = passes_of(kind, numel, ranks, chunk, device)
+        passes.update(more)
+        wire[f"{kind}_bytes_per_rank"] = 2 * (ranks - 1) * piece
+        wire[f"{kind}_ratio"] = wire["allreduce_bytes_per_rank"] / wire[f"{kind}_bytes_per_rank"]
+    passes.update(sparsifier_passes(numel, ranks, chunk, device))
     rows = {}
     for name, (fn, nbytes) in passes.items():
         ms = cuda_time_ms(fn, iters)
@@ -37,9 +82,6 @@ def measure(numel, ranks, chunk, iters, device):
     copy_bw = rows["device-to-device copy fp32"]["GBps"]
     for row in rows.values():
         row["fraction_of_copy_bw"] = row["GBps"] / copy_bw
-    wire = {"quantize_bytes_per_rank": 2 * (ranks - 1) * piece,
-            "allreduce_bytes_per_rank": 2 * (ranks - 1) * 4 * numel / ranks}
-    wire["ratio"] = wire["allreduce_bytes_per_rank"] / wire["quantize_bytes_per_rank"]
     return rows, wire
 
 
@@ -58,8 +100,9 @@ def main(argv=None):
     print(format_rows(["pass", "ms", "GB/s", "of copy"],
                       [[n, f"{r['ms']:.4f}", f"{r['GBps']:.0f}", f"{100 * r['fraction_of_copy_bw']:.1f}%"]
                        for n, r in rows.items()]))
-    print(f"bytes on the wire per rank ({args.ranks} ranks): Quantize {wire['quantize_bytes_per_rank']:.0f}, "
-          f"ring allreduce {wire['allreduce_bytes_per_rank']:.0f} ({wire['ratio']:.2f}x less)")
+    for kind in ("int8", "int4", "e4m3"):
+        print(f"bytes on the wire per rank ({args.ranks} ranks): Quantize {kind} {wire[f'{kind}_bytes_per_rank']:.0f}, "
+              f"ring allreduce {wire['allreduce_bytes_per_rank']:.0f} ({wire[f'{kind}_ratio']:.2f}x less)")
     bars = {f"{n} >= 80% of copy bandwidth": r["fraction_of_copy_bw"] >= 0.8
             for n, r in rows.items() if not n.startswith("device")}
     for bar, ok in bars.items():
