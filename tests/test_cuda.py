@@ -131,3 +131,10 @@ def test_randomk_on_nccl_sends_the_mean_at_shared_positions():
         torch.testing.assert_close(ours[sent], torch.stack(grads).mean(0)[sent], rtol=1e-6, atol=1e-9)
         for r in results[1:]:
             assert torch.equal(r["steps"][step][0], ours)
+
+
+@pytest.mark.parametrize("inner,kind", [("AllReduce", "adamw"), ("Cast", "sgd"), ("PowerSGD", "adamw")])
+def test_with_optimizer_on_nccl_equals_ddp_plus_torch_optimizer(inner, kind):
+    from test_overlap import check_with_optimizer, optimizer_run
+
+    check_with_optimizer(distributed.run(optimizer_run, cuda_world_size(), inner, kind, "cuda", backend="nccl"))

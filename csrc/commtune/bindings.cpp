@@ -6,11 +6,13 @@
 #include <commtune/hook.h>
 #include <commtune/hooks/allreduce.h>
 #include <commtune/hooks/cast.h>
+#include <commtune/hooks/fused.h>
 #include <commtune/hooks/powersgd.h>
 #include <commtune/hooks/quantize.h>
 #include <commtune/hooks/random_k.h>
 #include <commtune/hooks/sign_sgd.h>
 #include <commtune/hooks/top_k.h>
+#include <commtune/hooks/with_optimizer.h>
 #include <commtune/kernels/cast_scale.h>
 #include <commtune/kernels/low_rank.h>
 #include <commtune/kernels/orthogonalize.h>
@@ -46,11 +48,34 @@ py::dict snapshot_to_dict(const CounterSnapshot& s) {
   return d;
 }
 
+// make_<hook>(process_group, options): the hook, built, for register_built or a wrapper.
 template <typename H>
-void def_register(py::module_& m, const char* name) {
-  // The GIL is released so that a gloo/NCCL call inside registration cannot deadlock.
-  m.def(name, &register_hook<H>, py::arg("reducer"), py::arg("process_group"), py::arg("options"),
-        py::call_guard<py::gil_scoped_release>());
+void def_make(py::module_& m, const char* name) {
+  m.def(
+      name,
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const typename H::Options& options) {
+        TORCH_CHECK(process_group, "commtune: the DDP module has no process group");
+        return std::make_shared<BuiltHook>(BuiltHook{std::make_unique<H>(process_group, options)});
+      },
+      py::arg("process_group"), py::arg("options"));
+}
+
+// make_<wrapper>(process_group, inner, options): a wrapper hook around a built inner hook.
+template <typename W>
+void def_make_wrapper(py::module_& m, const char* name) {
+  m.def(
+      name,
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, BuiltHook& inner,
+         const typename W::Options& options) {
+        return std::make_shared<BuiltHook>(BuiltHook{std::make_unique<W>(process_group, inner.take(), options)});
+      },
+      py::arg("process_group"), py::arg("inner"), py::arg("options"));
+}
+
+OptimizerHook& optimizer_hook(const HookHandle& h) {
+  auto* hook = dynamic_cast<OptimizerHook*>(h.hook);
+  TORCH_CHECK(hook, "commtune: the hook is ", h.hook->name(), ", not WithOptimizer");
+  return *hook;
 }
 
 } // namespace
@@ -92,6 +117,9 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release release;  // switching off waits for queued launches
             h.hook->set_launch_thread(on);
           })
+      .def_property(
+          "input_scale", [](const HookHandle& h) { return h.hook->input_scale(); },
+          [](const HookHandle& h, double scale) { h.hook->set_input_scale(scale); })
       .def("set_parameters",
            [](const HookHandle& h, const std::vector<at::Tensor>& ps) { h.hook->set_parameters(ps); })
       .def("state_dict", [](const HookHandle& h) { return h.hook->state_dict(); })
@@ -116,9 +144,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("batch_same_shape", &PowerSgdOptions::batch_same_shape)
       .def_readwrite("approx_error_every", &PowerSgdOptions::approx_error_every);
 
-  def_register<AllReduceHook>(m, "register_allreduce");
-  def_register<CastHook>(m, "register_cast");
-  def_register<PowerSgdHook>(m, "register_powersgd");
+  def_make<AllReduceHook>(m, "make_allreduce");
+  def_make<CastHook>(m, "make_cast");
+  def_make<PowerSgdHook>(m, "make_powersgd");
 
   using QuantizeOptions = QuantizeHook::Options;
   py::class_<QuantizeOptions>(m, "QuantizeOptions")
@@ -129,7 +157,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("error_feedback", &QuantizeOptions::error_feedback)
       .def_readwrite("seed", &QuantizeOptions::seed)
       .def_readwrite("min_size", &QuantizeOptions::min_size);
-  def_register<QuantizeHook>(m, "register_quantize");
+  def_make<QuantizeHook>(m, "make_quantize");
 
   using SignSgdOptions = SignSgdHook::Options;
   py::class_<SignSgdOptions>(m, "SignSgdOptions")
@@ -137,7 +165,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("chunk", &SignSgdOptions::chunk)
       .def_readwrite("error_feedback", &SignSgdOptions::error_feedback)
       .def_readwrite("min_size", &SignSgdOptions::min_size);
-  def_register<SignSgdHook>(m, "register_signsgd");
+  def_make<SignSgdHook>(m, "make_signsgd");
 
   using TopKOptions = TopKHook::Options;
   py::class_<TopKOptions>(m, "TopKOptions")
@@ -145,7 +173,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("ratio", &TopKOptions::ratio)
       .def_readwrite("error_feedback", &TopKOptions::error_feedback)
       .def_readwrite("min_size", &TopKOptions::min_size);
-  def_register<TopKHook>(m, "register_topk");
+  def_make<TopKHook>(m, "make_topk");
   using RandomKOptions = RandomKHook::Options;
   py::class_<RandomKOptions>(m, "RandomKOptions")
       .def(py::init<>())
@@ -153,7 +181,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("seed", &RandomKOptions::seed)
       .def_readwrite("error_feedback", &RandomKOptions::error_feedback)
       .def_readwrite("min_size", &RandomKOptions::min_size);
-  def_register<RandomKHook>(m, "register_randomk");
+  def_make<RandomKHook>(m, "make_randomk");
   // The sign compression's passes on their own (kernel tests); see sign.h.
   m.def("sign_piece_bytes", [](int64_t numel, int64_t chunk) { return SignLayout::of(numel, chunk).piece_bytes(); },
         py::arg("numel"), py::arg("chunk"));
@@ -197,6 +225,36 @@ PYBIND11_MODULE(_C, m) {
   m.def("cast_scale", &cast_scale, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         "(src * scale) cast to dtype in one pass");
   m.def("cast_scale_", &cast_scale_, py::arg("src"), py::arg("scale"), py::arg("out"));
+  py::class_<BuiltHook, std::shared_ptr<BuiltHook>>(m, "BuiltHook");
+  // The GIL is released so that a gloo/NCCL call inside registration cannot deadlock.
+  m.def("register_built", &register_built, py::arg("reducer"), py::arg("built"),
+        py::call_guard<py::gil_scoped_release>());
+
+  using OptimizerOptions = OptimizerHook::Options;
+  py::class_<OptimizerOptions>(m, "OptimizerOptions")
+      .def(py::init<>())
+      .def_readwrite("optimizer", &OptimizerOptions::optimizer)
+      .def_readwrite("lr", &OptimizerOptions::lr)
+      .def_readwrite("momentum", &OptimizerOptions::momentum)
+      .def_readwrite("dampening", &OptimizerOptions::dampening)
+      .def_readwrite("nesterov", &OptimizerOptions::nesterov)
+      .def_readwrite("weight_decay", &OptimizerOptions::weight_decay)
+      .def_readwrite("beta1", &OptimizerOptions::beta1)
+      .def_readwrite("beta2", &OptimizerOptions::beta2)
+      .def_readwrite("eps", &OptimizerOptions::eps)
+      .def_readwrite("maximize", &OptimizerOptions::maximize);
+  def_make_wrapper<OptimizerHook>(m, "make_with_optimizer");
+  m.def("set_hyperparameters",
+        [](const HookHandle& h, const OptimizerOptions& o) { optimizer_hook(h).set_hyperparameters(o); });
+  m.def("hyperparameters", [](const HookHandle& h) { return optimizer_hook(h).hyperparameters(); });
+  m.def("load_optimizer_state",
+        [](const HookHandle& h, const StateDict& state) { optimizer_hook(h).load_optimizer_state(state); });
+
+  py::class_<FusedHook::Options>(m, "FusedOptions")
+      .def(py::init<>())
+      .def_readwrite("min_bytes", &FusedHook::Options::min_bytes);
+  def_make_wrapper<FusedHook>(m, "make_fused");
+
   m.def("orthogonalize_", &orthogonalize_, py::arg("matrices"), py::arg("epsilon") = 0.0);
   m.def("powersgd_steps",
         [](const at::Tensor& input, const at::Tensor& q_init, const std::vector<std::vector<int64_t>>& matrices,

@@ -36,6 +36,9 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::runHook(c10d::GradBucket& bucket) 
   TORCH_CHECK(buffer.is_floating_point(), "commtune.", name_, ": gradient bucket ", std::to_string(bucket.getIndex()),
               " has dtype ", buffer.scalar_type(), "; only floating-point gradients are supported");
 
+  if (input_scale_ != 1.0) {
+    bucket.getBufferRef().mul_(input_scale_.load());
+  }
   const CounterTicket ticket = counters_->open(bucket.getIndex(), bucket.isLast(), buffer);
   if (!launcher_) {
     return launch(bucket, ticket);
@@ -187,6 +190,19 @@ void Hook::after_on_side_stream(const at::Tensor& like, const c10::intrusive_ptr
   }
   done->wait();
   work();
+}
+
+std::unique_ptr<Hook> BuiltHook::take() {
+  TORCH_CHECK(hook, "commtune: this hook config was already registered or wrapped; build a new one");
+  return std::move(hook);
+}
+
+HookHandle register_built(const std::shared_ptr<c10d::Reducer>& reducer, BuiltHook& built) {
+  TORCH_CHECK(reducer, "commtune: the DDP module has no reducer");
+  std::unique_ptr<Hook> hook = built.take();
+  Hook* raw = hook.get();
+  reducer->register_comm_hook(std::move(hook));
+  return HookHandle{reducer, raw};
 }
 
 void record_on_current_stream(const at::Tensor& t) {

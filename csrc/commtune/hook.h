@@ -53,7 +53,13 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
 
   // The model's parameters in a fixed order (module.parameters()): per-parameter state is
   // saved under these indices, since DDP's bucket layout differs between runs.
-  void set_parameters(const std::vector<at::Tensor>& parameters);
+  virtual void set_parameters(const std::vector<at::Tensor>& parameters);
+
+  // Multiplies each bucket by `scale` before it is communicated (1: not at all). Gradient
+  // accumulation sets 1/steps for the step that communicates, so the ranks' mean of the
+  // accumulated sums is the mean over every micro-batch. Change it between iterations only.
+  void set_input_scale(double scale) { input_scale_ = scale; }
+  double input_scale() const { return input_scale_; }
 
  protected:
   struct Launch {
@@ -72,6 +78,8 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
 
   // Index of a bucket's parameter in set_parameters' list.
   int64_t parameter_index(const at::Tensor& parameter) const;
+
+  friend class WrapperHook;  // runs an inner hook's communicate() and state
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return state_; }
   int world_size() const { return state_->getSize(); }
@@ -96,6 +104,7 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   std::string name_;
   std::shared_ptr<Counters> counters_;  // shared with continuations still in flight
   std::atomic<int64_t> iteration_{0};
+  std::atomic<double> input_scale_{1.0};
   std::unordered_map<const c10::TensorImpl*, int64_t> parameter_index_;
   std::unique_ptr<LaunchThread> launcher_;
   std::optional<c10::Stream> launch_stream_;  // the launch thread's stream, per hook
@@ -111,18 +120,14 @@ struct HookHandle {
   Hook* hook;
 };
 
-// Builds a hook of type H and registers it on the reducer (once per reducer).
-template <typename H>
-HookHandle register_hook(
-    const std::shared_ptr<c10d::Reducer>& reducer,
-    const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
-    const typename H::Options& options) {
-  TORCH_CHECK(reducer, "commtune: the DDP module has no reducer");
-  TORCH_CHECK(process_group, "commtune: the DDP module has no process group");
-  auto hook = std::make_unique<H>(process_group, options);
-  Hook* raw = hook.get();
-  reducer->register_comm_hook(std::move(hook));
-  return HookHandle{reducer, raw};
-}
+// A hook built but not registered yet: a reducer takes it, or a wrapper hook takes it inside.
+struct BuiltHook {
+  std::unique_ptr<Hook> hook;
+  // The hook, once; a second take (registering or wrapping it twice) is an error.
+  std::unique_ptr<Hook> take();
+};
+
+// Registers the built hook on the reducer (once per reducer).
+HookHandle register_built(const std::shared_ptr<c10d::Reducer>& reducer, BuiltHook& built);
 
 } // namespace commtune

@@ -6,6 +6,7 @@ _C = _load()
 from . import hooks, nccl  # noqa: E402
 from .nccl import init_process_group  # noqa: E402
 from .registration import Handle, handle_of, register, wrap  # noqa: E402
+from .overlap import OverlappedOptimizer, accumulate  # noqa: E402
 from .stats import format_table as _format_table  # noqa: E402
 
 __version__ = "0.1.0"
@@ -26,4 +27,5 @@ def report(ddp, file=None):
     return text
 
 
-__all__ = ["hooks", "nccl", "init_process_group", "register", "wrap", "stats", "report", "Handle", "handle_of"]
+__all__ = ["hooks", "nccl", "init_process_group", "register", "wrap", "stats", "report", "Handle", "handle_of",
+           "OverlappedOptimizer", "accumulate"]

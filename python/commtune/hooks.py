@@ -9,14 +9,15 @@ _C = load()
 
 
 class HookConfig:
-    """Base of every hook configuration: validate() then register on a reducer."""
+    """Base of every hook configuration: validate(), then build the C++ hook that a reducer
+    (or a wrapping hook) takes."""
 
     name = "Hook"
 
     def validate(self):
         """Raises ValueError naming the parameter and its accepted values."""
 
-    def _register(self, reducer, process_group):
+    def _build(self, process_group):
         raise NotImplementedError
 
 
@@ -27,8 +28,8 @@ class AllReduce(HookConfig):
 
     name = "AllReduce"
 
-    def _register(self, reducer, process_group):
-        return _C.register_allreduce(reducer, process_group, _C.AllReduceOptions())
+    def _build(self, process_group):
+        return _C.make_allreduce(process_group, _C.AllReduceOptions())
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,10 @@ class Cast(HookConfig):
                 f"Cast: dtype must be torch.float16 or torch.bfloat16, got {self.dtype!r}"
             )
 
-    def _register(self, reducer, process_group):
+    def _build(self, process_group):
         options = _C.CastOptions()
         options.dtype = self.dtype
-        return _C.register_cast(reducer, process_group, options)
+        return _C.make_cast(process_group, options)
 
 
 
@@ -87,10 +88,10 @@ class Quantize(HookConfig):
         if not _is_int(self.min_size) or self.min_size < 0:
             raise ValueError(f"Quantize: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
 
-    def _register(self, reducer, process_group):
+    def _build(self, process_group):
         options = _options(self, _C.QuantizeOptions(), ("chunk", "stochastic", "error_feedback", "seed", "min_size"))
         options.codes = self.codes
-        return _C.register_quantize(reducer, process_group, options)
+        return _C.make_quantize(process_group, options)
 
     @property
     def codes(self):
@@ -117,9 +118,9 @@ class SignSGD(HookConfig):
         if not _is_int(self.min_size) or self.min_size < 0:
             raise ValueError(f"SignSGD: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
 
-    def _register(self, reducer, process_group):
+    def _build(self, process_group):
         options = _options(self, _C.SignSgdOptions(), ("chunk", "error_feedback", "min_size"))
-        return _C.register_signsgd(reducer, process_group, options)
+        return _C.make_signsgd(process_group, options)
 
 
 def _check_sparsifier(config):
@@ -151,9 +152,9 @@ class TopK(HookConfig):
     def validate(self):
         _check_sparsifier(self)
 
-    def _register(self, reducer, process_group):
+    def _build(self, process_group):
         options = _options(self, _C.TopKOptions(), ("ratio", "error_feedback", "min_size"))
-        return _C.register_topk(reducer, process_group, options)
+        return _C.make_topk(process_group, options)
 
 
 @dataclass(frozen=True)
@@ -172,9 +173,104 @@ class RandomK(HookConfig):
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"RandomK: seed must be an integer >= 0, got {self.seed!r}")
 
-    def _register(self, reducer, process_group):
+    def _build(self, process_group):
         options = _options(self, _C.RandomKOptions(), ("ratio", "seed", "error_feedback", "min_size"))
-        return _C.register_randomk(reducer, process_group, options)
+        return _C.make_randomk(process_group, options)
+
+
+# torch.optim.SGD's and AdamW's hyperparameters and defaults (amsgrad and foreach/fused/capturable
+# flags are not offered: the update is always torch's fused kernel).
+OPTIMIZER_DEFAULTS = {
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0, "maximize": False},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "maximize": False},
+}
+
+
+def _check_hyperparameters(optimizer, hparams, where="WithOptimizer"):
+    if optimizer not in OPTIMIZER_DEFAULTS:
+        raise ValueError(f"{where}: optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    accepted = OPTIMIZER_DEFAULTS[optimizer]
+    for key, value in hparams.items():
+        if key not in accepted:
+            raise ValueError(f"{where}: {optimizer} takes {', '.join(accepted)}; got an unknown {key!r}")
+        if isinstance(accepted[key], bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be True or False, got {value!r}")
+        elif key == "betas":
+            if (not isinstance(value, (tuple, list)) or len(value) != 2
+                    or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in value)):
+                raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{where}: {key} must be a number >= 0, got {value!r}")
+    if hparams.get("nesterov") and (hparams.get("momentum", 0) <= 0 or hparams.get("dampening", 0) != 0):
+        raise ValueError(f"{where}: nesterov needs momentum > 0 and dampening 0")
+
+
+def optimizer_options(optimizer, hparams):
+    """The C++ options for these hyperparameters (defaults filled in)."""
+    values = {**OPTIMIZER_DEFAULTS[optimizer], **hparams}
+    options = _C.OptimizerOptions()
+    options.optimizer = optimizer
+    for key, value in values.items():
+        if key == "betas":
+            options.beta1, options.beta2 = (float(b) for b in value)
+        else:
+            setattr(options, key, float(value) if not isinstance(value, bool) else value)
+    return options
+
+
+@dataclass(frozen=True, init=False)
+class WithOptimizer(HookConfig):
+    """Runs the optimizer update of a bucket's parameters as soon as that bucket is reduced by
+    `inner` (see README); pair it with `commtune.OverlappedOptimizer(ddp)` in the training loop.
+    `optimizer` is "sgd" or "adamw", with torch.optim.SGD's / AdamW's hyperparameters."""
+
+    inner: HookConfig
+    optimizer: str
+    hyperparameters: tuple  # sorted (name, value) pairs
+    name = "WithOptimizer"
+
+    def __init__(self, inner, optimizer="sgd", **hyperparameters):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "hyperparameters", tuple(sorted(hyperparameters.items())))
+
+    def validate(self):
+        if not isinstance(self.inner, HookConfig) or isinstance(self.inner, WithOptimizer):
+            raise ValueError(f"WithOptimizer: inner must be a commtune hook config other than WithOptimizer, "
+                             f"got {self.inner!r}")
+        self.inner.validate()
+        _check_hyperparameters(self.optimizer, dict(self.hyperparameters))
+
+    def defaults(self):
+        """Every hyperparameter, defaults filled in (the param_group of OverlappedOptimizer)."""
+        return {**OPTIMIZER_DEFAULTS[self.optimizer], **dict(self.hyperparameters)}
+
+    def _build(self, process_group):
+        options = optimizer_options(self.optimizer, dict(self.hyperparameters))
+        return _C.make_with_optimizer(process_group, self.inner._build(process_group), options)
+
+
+@dataclass(frozen=True)
+class Fused(HookConfig):
+    """Holds buckets smaller than `min_bytes` and sends them with the next one through `inner`
+    (the last bucket always sends); stats count the held buckets and the fused sends."""
+
+    inner: HookConfig
+    min_bytes: int = 1 << 20
+    name = "Fused"
+
+    def validate(self):
+        if not isinstance(self.inner, HookConfig):
+            raise ValueError(f"Fused: inner must be a commtune hook config, got {self.inner!r}")
+        self.inner.validate()
+        if not _is_int(self.min_bytes) or self.min_bytes < 0:
+            raise ValueError(f"Fused: min_bytes must be an integer >= 0, got {self.min_bytes!r}")
+
+    def _build(self, process_group):
+        options = _C.FusedOptions()
+        options.min_bytes = self.min_bytes
+        return _C.make_fused(process_group, self.inner._build(process_group), options)
 
 
 def _is_int(v):
@@ -218,12 +314,13 @@ class PowerSGD(HookConfig):
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ValueError(f"PowerSGD: seed must be an integer in [0, 2**32), got {self.seed!r}")
 
-    def _register(self, reducer, process_group):
+    def _build(self, process_group):
         options = _C.PowerSgdOptions()
         for field in ("rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start",
                       "orthogonalization_epsilon", "seed", "batch_same_shape", "approx_error_every"):
             setattr(options, field, getattr(self, field))
-        return _C.register_powersgd(reducer, process_group, options)
+        return _C.make_powersgd(process_group, options)
 
 
-__all__ = ["HookConfig", "AllReduce", "Cast", "PowerSGD"]
+__all__ = ["HookConfig", "AllReduce", "Cast", "PowerSGD", "Quantize", "SignSGD", "TopK", "RandomK", "WithOptimizer",
+           "Fused"]

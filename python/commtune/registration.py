@@ -4,7 +4,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .stats import from_counters
 from . import nccl
-from .hooks import HookConfig
+from .hooks import HookConfig, _C
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
 _HANDLE_ATTR = "_commtune_handle"
@@ -16,6 +16,10 @@ class Handle:
     def __init__(self, native, config):
         self._native = native
         self.config = config
+        self._micro_steps = 0  # backward passes under commtune.accumulate, communicating or not
+
+    def _count_micro_step(self):
+        self._micro_steps += 1
 
     @property
     def name(self):
@@ -31,6 +35,7 @@ class Handle:
         variables commtune.nccl applied in this process (`nccl`)."""
         stats = from_counters(self._native.counters())
         stats["nccl"] = nccl.applied()
+        stats["micro_steps"] = self._micro_steps
         return stats
 
     @property
@@ -65,6 +70,7 @@ class Handle:
 
     def reset_stats(self):
         self._native.reset_counters()
+        self._micro_steps = 0
 
     def state_dict(self):
         return dict(self._native.state_dict())
@@ -122,7 +128,7 @@ def register(ddp, hook):
             f"this DDP module already has a communication hook ({existing}); a reducer takes one "
             "hook, once: build a new DDP module to use another"
         )
-    native = hook._register(ddp.reducer, ddp.process_group)
+    native = _C.register_built(ddp.reducer, hook._build(ddp.process_group))
     native.set_parameters(list(ddp.module.parameters()))
     ddp.logger._set_comm_hook_name(f"commtune.{hook.name}")
     handle = Handle(native, hook)
