@@ -17,7 +17,11 @@ OPTIMIZERS = {"sgd": dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=Tru
 
 
 def _torch_optimizer(kind, params):
-    return (torch.optim.SGD if kind == "sgd" else torch.optim.AdamW)(params, **OPTIMIZERS[kind])
+    # AdamW: torch's fused implementation, the arithmetic WithOptimizer runs. Its default (foreach)
+    # rounds differently: seen 1.7e-6 apart on one weight of 32768 after 6 steps on an H200.
+    if kind == "sgd":
+        return torch.optim.SGD(params, **OPTIMIZERS[kind])
+    return torch.optim.AdamW(params, fused=True, **OPTIMIZERS[kind])
 
 
 def _train(ddp, opt, sched, rank, steps, first=0):

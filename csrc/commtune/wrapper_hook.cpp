@@ -29,10 +29,17 @@ void WrapperHook::load_state(const StateDict& state) {
 
 std::vector<at::Tensor> gradient_views(const c10d::GradBucket& bucket, const at::Tensor& flat) {
   const at::Tensor& buffer = bucket.getBuffer();
+  const std::vector<at::Tensor> parameters = bucket.getParameters();
+  const std::vector<at::Tensor> grads = bucket.getGradients();
   std::vector<at::Tensor> views;
-  for (const at::Tensor& g : bucket.getGradients()) {
-    const int64_t offset = g.storage_offset() - buffer.storage_offset();
-    views.push_back(flat.narrow(0, offset, g.numel()).view(g.sizes()));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const int64_t offset = grads[i].storage_offset() - buffer.storage_offset();
+    const at::Tensor& p = parameters.at(i);
+    // With the parameter's strides, as the reducer lays a dense parameter's gradient out in the
+    // bucket (channels_last weights included): fused optimizers want matching layouts.
+    views.push_back(p.is_non_overlapping_and_dense()
+                        ? flat.as_strided(p.sizes(), p.strides(), flat.storage_offset() + offset)
+                        : flat.narrow(0, offset, grads[i].numel()).view(grads[i].sizes()));
   }
   return views;
 }
