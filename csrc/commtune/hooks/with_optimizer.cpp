@@ -1,5 +1,6 @@
 #include <commtune/hooks/with_optimizer.h>
 
+#include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/_fused_sgd.h>
 
@@ -90,7 +91,7 @@ void OptimizerHook::update(const std::vector<at::Tensor>& parameters, const std:
   // DDP hands parameters over as plain tensors: the update must not be recorded by autograd.
   at::NoGradGuard no_grad;
   if (o.optimizer == "adamw") {
-    for (at::Tensor& step : steps) step.add_(1);
+    at::_foreach_add_(steps, 1);  // one launch for the bucket, not one per parameter
     at::_fused_adamw_(parameters, grads, firsts, seconds, at::TensorList(), steps, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
                       /*amsgrad=*/false, o.maximize);
   } else {
