@@ -7,6 +7,8 @@ from . import hooks, nccl  # noqa: E402
 from .nccl import init_process_group  # noqa: E402
 from .registration import Handle, handle_of, register, wrap  # noqa: E402
 from .overlap import OverlappedOptimizer, accumulate  # noqa: E402
+from . import sim  # noqa: E402
+from .sim import plan_buckets  # noqa: E402
 from .stats import format_table as _format_table  # noqa: E402
 
 __version__ = "0.1.0"
@@ -28,4 +30,4 @@ def report(ddp, file=None):
 
 
 __all__ = ["hooks", "nccl", "init_process_group", "register", "wrap", "stats", "report", "Handle", "handle_of",
-           "OverlappedOptimizer", "accumulate"]
+           "OverlappedOptimizer", "accumulate", "sim", "plan_buckets"]

@@ -1,0 +1,182 @@
+"""How long communication takes and how much of it backward hides: a link model (alpha + bytes
+over bus bandwidth per allreduce, nccl-tests' definition), DDP's bucketing replayed on a measured
+backward timeline, and the bucket planner built on both.
+
+The timeline comes from one GPU (or CPU): when each parameter's gradient became ready during
+backward. Buckets fill in that order until they reach their cap (as DDP's rebuilt buckets do), a bucket
+is sent when its last gradient is ready and after the previous bucket's send, and whatever is
+still sending when backward ends is exposed.
+"""
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Link:
+    """An allreduce of S bytes on n ranks takes alpha_us + S * 2(n-1)/n / busbw."""
+
+    name: str
+    alpha_us: float
+    busbw_GBps: float
+
+    def allreduce_us(self, nbytes, ranks):
+        if ranks <= 1:
+            return 0.0
+        return self.alpha_us + nbytes * 2 * (ranks - 1) / ranks / (self.busbw_GBps * 1e3)
+
+    @classmethod
+    def from_sweep(cls, path_or_dict, name="measured"):
+        """Least-squares alpha and busbw from `benchmarks/allreduce_sweep.py`'s all_reduce rows."""
+        data = path_or_dict if isinstance(path_or_dict, dict) else json.load(open(path_or_dict))
+        n = data["world_size"]
+        rows = [r for r in data["rows"] if r["op"] == "all_reduce"]
+        if n < 2 or len(rows) < 2:
+            raise ValueError("Link.from_sweep needs all_reduce rows measured on 2 or more ranks")
+        xs = [r["bytes"] * 2 * (n - 1) / n for r in rows]
+        ys = [r["time_us"] for r in rows]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        if slope <= 0:
+            raise ValueError("the sweep's times do not grow with size: cannot fit a bandwidth")
+        return cls(name, max(0.0, my - slope * mx), 1e-3 / slope)
+
+
+# Assumed, not measured here: NVLink4 through NVSwitch with multicast off (published 8-GPU
+# Hopper all_reduce busbw ~370 GB/s), PCIe 4.0 x16 rings, and one NIC per GPU across nodes.
+PRESETS = {
+    "nvlink4-nvswitch": Link("nvlink4-nvswitch", 15.0, 360.0),
+    "pcie4": Link("pcie4", 20.0, 20.0),
+    "ib-100g": Link("ib-100g", 30.0, 11.0),
+    "ib-400g": Link("ib-400g", 30.0, 45.0),
+}
+
+
+def link_of(link):
+    """A Link from a Link, a preset name, or a sweep JSON path."""
+    if isinstance(link, Link):
+        return link
+    if link in PRESETS:
+        return PRESETS[link]
+    if isinstance(link, str) and link.endswith(".json"):
+        return Link.from_sweep(link)
+    raise ValueError(f"link must be a commtune.sim.Link, one of {', '.join(PRESETS)}, or an allreduce "
+                     f"sweep JSON path; got {link!r}")
+
+
+@dataclass
+class BackwardTimeline:
+    """Gradients in the order they became ready: (bytes, ready_us after backward started)."""
+
+    gradients: list
+    backward_us: float
+    forward_us: float = 0.0
+
+
+@dataclass
+class Prediction:
+    bucket_cap_mb: float
+    first_bucket_mb: float
+    buckets: list = field(default_factory=list)  # (bytes, ready_us, start_us, end_us)
+    comm_us: float = 0.0
+    exposed_us: float = 0.0
+
+
+def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_per_byte=0.0):
+    """DDP's buckets on this timeline and their sends on this link (see the module's doc)."""
+    first_cap = (first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb) * MB
+    cap = bucket_cap_mb * MB
+    buckets, size, ready = [], 0, 0.0
+    for nbytes, at in timeline.gradients:
+        # DDP's rule (compute_bucket_assignment_by_size): add, then close once at the limit.
+        size, ready = size + nbytes, max(ready, at)
+        if size >= (first_cap if not buckets else cap):
+            buckets.append((size, ready))
+            size, ready = 0, 0.0
+    if size:
+        buckets.append((size, ready))
+    pred = Prediction(bucket_cap_mb, first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb)
+    free = 0.0
+    for nbytes, at in buckets:
+        start = max(at, free)
+        cost = link.allreduce_us(nbytes, ranks) + hook_us_per_byte * nbytes
+        free = start + cost
+        pred.buckets.append((nbytes, at, start, free))
+        pred.comm_us += cost
+    pred.exposed_us = max(0.0, free - timeline.backward_us)
+    return pred
+
+
+def measure_backward(model, sample_batch, loss_fn=None, iters=3):
+    """When each parameter's gradient becomes ready in backward (the last of `iters` runs)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("measure_backward: the model has no parameters that require grad")
+    device = params[0].device
+    cuda = device.type == "cuda"
+    loss_fn = loss_fn or (lambda m, b: m(*b if isinstance(b, (tuple, list)) else (b,)).float().mean())
+
+    def stamp():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def between(a, b):
+        return a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
+
+    marks = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: marks.append((p, stamp()))) for p in params]
+    try:
+        for _ in range(iters):
+            model.zero_grad(set_to_none=True)
+            marks.clear()
+            begin = stamp()
+            loss = loss_fn(model, sample_batch)
+            started = stamp()
+            loss.backward()
+            ended = stamp()
+        if cuda:
+            torch.cuda.synchronize(device)
+    finally:
+        for h in handles:
+            h.remove()
+    gradients = [(p.numel() * p.element_size(), between(started, mark)) for p, mark in marks]
+    return BackwardTimeline(gradients, between(started, ended), between(begin, started))
+
+
+@dataclass
+class BucketPlan:
+    bucket_cap_mb: float
+    first_bucket_mb: float
+    predicted_exposed_us: float
+    candidates: list  # a Prediction per (cap, first bucket) tried, best first
+    timeline: BackwardTimeline
+
+    def ddp_kwargs(self):
+        """What to pass to DDP (or ct.wrap). A first bucket smaller than the cap is DDP's default
+        only with the default cap (25 MB, first 1 MB)."""
+        return {"bucket_cap_mb": self.bucket_cap_mb}
+
+
+def plan_buckets(model, sample_batch, link="nvlink4-nvswitch", ranks=8, loss_fn=None,
+                 caps_mb=(1, 2, 4, 8, 16, 25, 50, 100), first_buckets_mb=(None, 1), iters=3):
+    """The bucket cap (and first-bucket size) that minimises the communication left exposed
+    after backward, for `ranks` ranks on `link`, from this model's measured backward."""
+    link = link_of(link)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"plan_buckets: ranks must be an integer >= 1, got {ranks!r}")
+    timeline = measure_backward(model, sample_batch, loss_fn, iters)
+    candidates = []
+    for cap in caps_mb:
+        for first in first_buckets_mb:
+            if first is None or first < cap:
+                candidates.append(replay(timeline, link, ranks, cap, first))
+    candidates.sort(key=lambda p: (p.exposed_us, len(p.buckets)))
+    best = candidates[0]
+    return BucketPlan(best.bucket_cap_mb, best.first_bucket_mb, best.exposed_us, candidates, timeline)
