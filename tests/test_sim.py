@@ -101,3 +101,18 @@ def test_plan_benchmark_puts_prediction_beside_measurement(tmp_path):
         assert r["predicted_buckets"] == r["measured_buckets"]  # DDP's rebuilt buckets, replayed
         assert r["measured_exposed_us"] >= 0 and r["predicted_exposed_us"] >= 0
     assert data["link"]["busbw_GBps"] > 0
+
+
+def test_prediction_adds_the_exposed_tail_and_the_step():
+    link = Link("l", alpha_us=0.0, busbw_GBps=1.0)
+    t = BackwardTimeline([(MB, 1000.0)], backward_us=1000.0, forward_us=500.0)  # all ready at the end
+    comm = link.allreduce_us(MB, 4)
+    p = sim.predict(t, link, 4, sim.Config("plain"), optimizer_us=100.0)
+    assert p["iteration_us"] == pytest.approx(1500 + comm + 100)
+    assert p["speedup"] == pytest.approx(4 * 1600 / (1600 + comm)) and p["efficiency"] == pytest.approx(p["speedup"] / 4)
+    bf16 = sim.predict(t, link, 4, sim.Config("bf16", wire_factor=0.5), optimizer_us=100.0)
+    assert bf16["exposed_us"] == pytest.approx(comm / 2)
+    accum = sim.predict(t, link, 4, sim.Config("accum", accumulation=4), optimizer_us=100.0)
+    assert accum["iteration_us"] == pytest.approx(4 * 1500 + comm + 100)  # one send per 4 micro-steps
+    one = sim.predict(t, link, 1, sim.Config("one"), optimizer_us=100.0)
+    assert one["speedup"] == pytest.approx(1.0) and one["exposed_us"] == 0.0

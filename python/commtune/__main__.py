@@ -12,8 +12,8 @@ def main(argv=None):
     demo.add_argument("--iterations", type=int, default=20, help="iterations per hook (default 20)")
     demo.add_argument("--ranks", type=int, default=None,
                       help="number of ranks (default: every GPU, or 2 CPU ranks)")
-    bench = sub.add_parser("bench", help="benchmarks: `bench allreduce|plan [options]` (see --help there)")
-    bench.add_argument("name", choices=["allreduce", "plan"])
+    bench = sub.add_parser("bench", help="benchmarks: `bench allreduce|plan|scaling [options]` (see --help there)")
+    bench.add_argument("name", choices=["allreduce", "plan", "scaling"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
     tune = sub.add_parser("tune", help="`tune nccl [options]`: measured NCCL settings for a model's buckets")
     tune.add_argument("what", choices=["nccl"])
@@ -25,9 +25,9 @@ def main(argv=None):
         tune_mod.main(args.options)
         return 0
     if args.command == "bench":
-        from .bench import allreduce_sweep, plan
+        from .bench import allreduce_sweep, plan, scaling
 
-        {"allreduce": allreduce_sweep, "plan": plan}[args.name].main(args.options)
+        {"allreduce": allreduce_sweep, "plan": plan, "scaling": scaling}[args.name].main(args.options)
         return 0
     if args.command == "demo":
         if args.iterations < 1:

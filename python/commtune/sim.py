@@ -86,8 +86,9 @@ class Prediction:
     exposed_us: float = 0.0
 
 
-def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_per_byte=0.0):
-    """DDP's buckets on this timeline and their sends on this link (see the module's doc)."""
+def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_per_byte=0.0, wire_factor=1.0):
+    """DDP's buckets on this timeline and their sends on this link (see the module's doc).
+    `wire_factor`: bytes a hook puts on the wire per gradient byte (0.5 for a bf16 cast)."""
     first_cap = (first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb) * MB
     cap = bucket_cap_mb * MB
     buckets, size, ready = [], 0, 0.0
@@ -103,7 +104,7 @@ def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_p
     free = 0.0
     for nbytes, at in buckets:
         start = max(at, free)
-        cost = link.allreduce_us(nbytes, ranks) + hook_us_per_byte * nbytes
+        cost = link.allreduce_us(nbytes * wire_factor, ranks) + hook_us_per_byte * nbytes
         free = start + cost
         pred.buckets.append((nbytes, at, start, free))
         pred.comm_us += cost
@@ -180,3 +181,39 @@ def plan_buckets(model, sample_batch, link="nvlink4-nvswitch", ranks=8, loss_fn=
     candidates.sort(key=lambda p: (p.exposed_us, len(p.buckets)))
     best = candidates[0]
     return BucketPlan(best.bucket_cap_mb, best.first_bucket_mb, best.exposed_us, candidates, timeline)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row of a scaling study, as the simulator sees it."""
+
+    name: str
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 1.0  # DDP's default first bucket; None: the cap
+    wire_factor: float = 1.0  # bytes on the wire per gradient byte
+    link_scale: float = 1.0  # the link's bandwidth times this (an NCCL setting's measured gain)
+    accumulation: int = 1  # micro-steps per communicating step
+    overlap_optimizer: bool = False
+
+
+def predict(timeline, link, ranks, config, optimizer_us=0.0):
+    """Iteration time on `ranks` ranks from one rank's measured timeline (weak scaling: the same
+    batch per rank). An iteration is `accumulation` micro-steps of forward + backward, the
+    communication left exposed after the last backward, and the optimizer step (with
+    `overlap_optimizer`, only the share of the last bucket's parameters stays exposed).
+    Speedup is throughput against one rank running forward, backward and the step alone."""
+    link = link_of(link)
+    if config.link_scale != 1.0:
+        link = Link(link.name, link.alpha_us, link.busbw_GBps * config.link_scale)
+    pred = replay(timeline, link, ranks, config.bucket_cap_mb, config.first_bucket_mb, wire_factor=config.wire_factor)
+    compute = timeline.forward_us + timeline.backward_us
+    step = optimizer_us
+    if config.overlap_optimizer and pred.buckets:
+        total = sum(b[0] for b in pred.buckets)
+        step = optimizer_us * pred.buckets[-1][0] / total
+    iteration = config.accumulation * compute + pred.exposed_us + step
+    single = compute + optimizer_us
+    speedup = ranks * config.accumulation * single / iteration
+    return {"config": config.name, "ranks": ranks, "iteration_us": iteration, "exposed_us": pred.exposed_us,
+            "comm_us": pred.comm_us, "buckets": len(pred.buckets), "speedup": speedup,
+            "efficiency": speedup / ranks}

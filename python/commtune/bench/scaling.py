@@ -1,0 +1,144 @@
+"""The ResNet-50 scaling study: one rank's throughput, then every configuration on N ranks, each
+a torchrun of examples/resnet50_ddp.py in fresh processes (NCCL reads its variables once per
+process). Per row: communication and exposed communication per iteration (commtune's counters),
+iteration time, throughput, speedup against one rank and scaling efficiency, with the
+simulator's prediction beside it (from one rank's measured backward and a link model).
+
+    python benchmarks/resnet50_scaling.py                   # every GPU: 1, 2, 4, ... ranks
+    python benchmarks/resnet50_scaling.py --cpu             # 2 gloo ranks, a small model, 2 rows
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .. import sim
+from .common import environment, format_rows, write_results
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "resnet50_ddp.py"
+
+# name -> (flags for the example, the simulator's view; None: the simulator cannot model it)
+CONFIGS = {
+    "default DDP (AllReduce)": ([], sim.Config("default")),
+    "NCCL tree": (["--nccl-algo", "tree"], sim.Config("tree")),
+    "NCCL 16 MiB buffers": (["--nccl-buffsize", "16MiB"], sim.Config("buffsize")),
+    "bf16 on the wire": (["--hook", "bf16"], sim.Config("bf16", wire_factor=0.5)),
+    "PowerSGD rank 4": (["--hook", "powersgd"], None),
+    "optimizer overlap": (["--overlap-optimizer"], sim.Config("overlap", overlap_optimizer=True)),
+    "accumulate 4": (["--accumulate", "4"], sim.Config("accumulate", accumulation=4)),
+}
+CPU_CONFIGS = ["default DDP (AllReduce)", "bf16 on the wire"]
+# This machine's gloo allreduce on 2 ranks, fitted by benchmarks/plan_buckets.py (plan_buckets.json).
+CPU_LINK = sim.Link("gloo, 2 CPU ranks (fitted)", alpha_us=231.0, busbw_GBps=1.12)
+
+
+def run_example(ranks, flags, common, timeout_s):
+    """One torchrun of the example; returns its figures."""
+    if not EXAMPLE.exists():
+        raise SystemExit(f"the scaling study runs {EXAMPLE}, which is missing (run it from a commtune checkout)")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.jsonl")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               str(EXAMPLE), *common, *flags, "--result", result]
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+               "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0 or not os.path.exists(result):
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        with open(result) as f:
+            return json.loads(f.readline())
+
+
+def one_rank_timeline(model_name, batch, device):
+    """The simulator's input: one rank's backward timeline and optimizer step time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("resnet50_ddp", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = example.build_model(model_name).to(device)
+    size = 224 if model_name != "tiny" else 64
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    amp = device.type == "cuda"
+
+    def loss_fn(m, _):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            return torch.nn.functional.cross_entropy(m(x), y)
+
+    timeline = sim.measure_backward(model, None, loss_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    for _ in range(3):
+        opt.step()
+    if amp:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(5):
+        opt.step()
+    if amp:
+        torch.cuda.synchronize()
+    return timeline, (time.perf_counter() - started) / 5 * 1e6
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="gloo ranks and a small model (default without GPUs)")
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts (default 1, 2, 4, ... GPUs; CPU: 2)")
+    p.add_argument("--configs", nargs="+", default=None, choices=sorted(CONFIGS), metavar="CONFIG")
+    p.add_argument("--batch", type=int, default=None, help="per rank (default 128 on GPUs, 8 on CPU)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--link", default=None, help="simulator link: a preset or an allreduce sweep JSON")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--out", default="benchmarks/results/resnet50_scaling.json")
+    args = p.parse_args(argv)
+    cpu = args.cpu or not torch.cuda.is_available()
+    model = "tiny" if cpu else "resnet50"
+    batch = args.batch or (8 if cpu else 128)
+    ranks = args.ranks or ([2] if cpu else [2 ** k for k in range(8) if 2 ** k <= torch.cuda.device_count()][1:])
+    configs = args.configs or (CPU_CONFIGS if cpu else list(CONFIGS))
+    link = CPU_LINK if cpu and args.link is None else sim.link_of(args.link or "nvlink4-nvswitch")
+    common = ["--model", model, "--batch", str(batch), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    timeline, step_us = one_rank_timeline(model, batch, device)
+    runs = [(1, "default DDP (AllReduce)")] + [(n, c) for n in ranks for c in configs]
+    rows, started = [], time.monotonic()
+    for i, (n, name) in enumerate(runs):
+        flags, view = CONFIGS[name]
+        figures = run_example(n, flags, common, args.timeout)
+        figures["config"] = name
+        if view is not None:
+            figures["predicted"] = sim.predict(timeline, link, n, view, optimizer_us=step_us)
+        rows.append(figures)
+        elapsed = time.monotonic() - started
+        print(f"row {i + 1}/{len(runs)} done ({name}, {n} rank(s)): {figures['iteration_ms']:.1f} ms/iteration; "
+              f"elapsed {elapsed:.0f} s, about {elapsed / (i + 1) * (len(runs) - i - 1):.0f} s to go", flush=True)
+    single = rows[0]["samples_per_s"]
+    for r in rows:
+        r["speedup"] = r["samples_per_s"] / single
+        r["efficiency"] = r["speedup"] / r["ranks"]
+    table = [[r["config"], str(r["ranks"]), f"{r['comm_ms']:.2f}", f"{r['exposed_comm_ms']:.2f}",
+              f"{r['iteration_ms']:.1f}", f"{r['samples_per_s']:.0f}", f"{r['speedup']:.2f}x",
+              f"{100 * r['efficiency']:.0f}%",
+              f"{r['predicted']['iteration_us'] / 1e3:.1f}" if "predicted" in r else "-",
+              f"{100 * r['predicted']['efficiency']:.0f}%" if "predicted" in r else "-"] for r in rows]
+    print(format_rows(["config", "ranks", "comm ms", "exposed ms", "iter ms", "samples/s", "speedup", "efficiency",
+                       "predicted ms", "predicted eff."], table))
+    write_results(args.out, {"benchmark": "resnet50_scaling", "environment": environment(), "args": vars(args),
+                             "model": model, "batch": batch, "link": vars(link),
+                             "one_rank": {"forward_us": timeline.forward_us, "backward_us": timeline.backward_us,
+                                          "optimizer_us": step_us, "gradients": len(timeline.gradients)},
+                             "rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""The scaling study's CPU mode end to end: torchrun of the example on 2 gloo ranks, two
+configurations, the table and the JSON (with the simulator's prediction beside each row)."""
+import json
+
+from commtune.bench import scaling
+
+
+def test_cpu_scaling_study_writes_every_row(tmp_path, capsys):
+    out = tmp_path / "scaling.json"
+    rows = scaling.main(["--cpu", "--iters", "3", "--warmup", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [(r["config"], r["ranks"]) for r in data["rows"]] == [
+        ("default DDP (AllReduce)", 1), ("default DDP (AllReduce)", 2), ("bf16 on the wire", 2)]
+    assert rows[0]["speedup"] == 1.0
+    for r in data["rows"]:
+        assert r["iteration_ms"] > 0 and r["samples_per_s"] > 0
+        assert abs(r["efficiency"] - r["speedup"] / r["ranks"]) < 1e-12
+        assert r["predicted"]["ranks"] == r["ranks"] and r["predicted"]["iteration_us"] > 0
+    two = data["rows"][1]
+    assert two["comm_ms"] > 0 and 0 <= two["exposed_comm_ms"] <= two["comm_ms"]  # from the counters
+    printed = capsys.readouterr().out
+    assert "row 3/3 done" in printed and "predicted eff." in printed
