@@ -9,7 +9,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   echo "install.sh: torch not found; installing torch==2.13.0 (a supported version)"
   "$py" -m pip install -q "torch==2.13.0"
 fi
-for mod in pytest numpy setuptools wheel; do
+for mod in pytest numpy setuptools wheel matplotlib; do
   "$py" -c "import $mod" 2>/dev/null || "$py" -m pip install -q "$mod"
 done
 

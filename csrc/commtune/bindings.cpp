@@ -45,6 +45,18 @@ py::dict snapshot_to_dict(const CounterSnapshot& s) {
     buckets.append(totals_to_dict(b));
   }
   d["buckets"] = buckets;
+  py::list spans;
+  for (const BucketSpan& b : s.last_timed) {
+    py::dict span;
+    span["bucket"] = b.bucket;
+    span["bytes_in"] = b.bytes_in;
+    span["bytes_out"] = b.bytes_out;
+    span["host_us"] = b.host_us;
+    span["start_us"] = b.start_us;
+    span["end_us"] = b.end_us;
+    spans.append(span);
+  }
+  d["last_iteration"] = spans;
   return d;
 }
 

@@ -149,6 +149,15 @@ void Counters::add(const Iteration& it) {
     exposed_iteration = std::max(exposed_iteration, exposed);
   }
   totals_.total.exposed_comm_us += exposed_iteration;
+  const std::optional<TimePoint>& first = it.records.front().start;
+  if (timed && first) {
+    totals_.last_timed.clear();
+    for (const Record& r : it.records) {
+      if (!r.end) continue;
+      totals_.last_timed.push_back(BucketSpan{static_cast<int64_t>(r.bucket), r.bytes_in, r.bytes_out, r.host_us,
+                                              first->us_until(*r.start), first->us_until(*r.end)});
+    }
+  }
   totals_.iterations += 1;
   totals_.timed_iterations += timed ? 1 : 0;
 }

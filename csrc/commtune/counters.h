@@ -30,11 +30,22 @@ struct CounterTotals {
   double exposed_comm_us = 0;  // part of comm_us after the last bucket's hand-over
 };
 
+// One bucket of the latest timed iteration, in microseconds from that iteration's first hand-over.
+struct BucketSpan {
+  int64_t bucket = 0;
+  int64_t bytes_in = 0;
+  int64_t bytes_out = 0;
+  double host_us = 0;
+  double start_us = 0;  // handed to the hook
+  double end_us = 0;  // reduced bucket ready
+};
+
 struct CounterSnapshot {
   int64_t iterations = 0;
   int64_t timed_iterations = 0;  // iterations whose times are in the totals
   CounterTotals total;
   std::vector<CounterTotals> buckets;  // by bucket index
+  std::vector<BucketSpan> last_timed;  // the latest timed iteration, bucket by bucket (for traces)
 };
 
 // A moment on a device: a timing event on its current stream, or the host clock.

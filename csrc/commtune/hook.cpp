@@ -2,6 +2,7 @@
 
 #include <commtune/shape.h>
 
+#include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -94,6 +95,8 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::launch(c10d::GradBucket& bucket, c
   const auto started = std::chrono::steady_clock::now();
   Launch launch;
   try {
+    // Ranges for torch.profiler (and Nsight Systems under torch.autograd.profiler.emit_nvtx()).
+    RECORD_FUNCTION("commtune." + name_ + ".communicate", std::vector<c10::IValue>());
     launch = communicate(bucket);
   } catch (...) {
     counters_->drop(ticket);
@@ -109,7 +112,8 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::launch(c10d::GradBucket& bucket, c
   auto counters = counters_;
   auto finish = std::move(launch.finish);
   return launch.future->then(
-      [counters, ticket, finish](c10::ivalue::Future& done) -> c10::IValue {
+      [counters, ticket, finish, range = "commtune." + name_ + ".finish"](c10::ivalue::Future& done) -> c10::IValue {
+        RECORD_FUNCTION(range, std::vector<c10::IValue>());
         if (done.hasError()) {
           counters->drop(ticket);
           std::rethrow_exception(done.exception_ptr());

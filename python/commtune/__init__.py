@@ -7,7 +7,8 @@ from . import hooks, nccl  # noqa: E402
 from .nccl import init_process_group  # noqa: E402
 from .registration import Handle, handle_of, register, wrap  # noqa: E402
 from .overlap import OverlappedOptimizer, accumulate  # noqa: E402
-from . import sim  # noqa: E402
+from . import plot, sim  # noqa: E402
+from .stats import export_chrome_trace  # noqa: E402
 from .sim import plan_buckets  # noqa: E402
 from .stats import format_table as _format_table  # noqa: E402
 
@@ -30,4 +31,4 @@ def report(ddp, file=None):
 
 
 __all__ = ["hooks", "nccl", "init_process_group", "register", "wrap", "stats", "report", "Handle", "handle_of",
-           "OverlappedOptimizer", "accumulate", "sim", "plan_buckets"]
+           "OverlappedOptimizer", "accumulate", "sim", "plan_buckets", "plot", "export_chrome_trace"]

@@ -47,3 +47,33 @@ def format_table(stats, title=""):
 
 def _cells(row):
     return [fmt.format(row[key] * _SCALE.get(key, 1)) for key, _, fmt in COLUMNS]
+
+
+def chrome_trace_events(stats, rank=0):
+    """The latest timed iteration as Chrome trace events (times from its first bucket's hand-over):
+    per bucket, its communication (hand-over to reduced) and the hook's host time."""
+    events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
+    for span in stats.get("last_iteration", []):
+        args = {k: span[k] for k in ("bucket", "bytes_in", "bytes_out")}
+        events.append({"name": f"bucket {span['bucket']}", "cat": "communication", "ph": "X", "pid": rank,
+                       "tid": "communication", "ts": span["start_us"],
+                       "dur": max(0.0, span["end_us"] - span["start_us"]), "args": args})
+        events.append({"name": f"hook, bucket {span['bucket']}", "cat": "hook", "ph": "X", "pid": rank,
+                       "tid": "hook (host)", "ts": span["start_us"], "dur": span["host_us"], "args": args})
+    return events
+
+
+def export_chrome_trace(ddp, path):
+    """Writes the latest timed iteration of a commtune DDP module as a Chrome/Perfetto trace (JSON);
+    returns the number of buckets in it. Every rank can write its own file."""
+    import json
+
+    import torch.distributed as dist
+
+    from .registration import handle_of
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    events = chrome_trace_events(handle_of(ddp).stats(), rank)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return sum(1 for e in events if e.get("cat") == "communication")

@@ -72,6 +72,26 @@ TEST(Counters, ExposedTimeIsMeasuredFromTheLastHandOver) {
   EXPECT_DOUBLE_EQ(s.total.exposed_comm_us, s.buckets[1].exposed_comm_us);
 }
 
+TEST(Counters, KeepsTheLatestTimedIterationBucketByBucket) {
+  Counters c;
+  iteration(c, {60});
+  at::Tensor buffer = at::empty({8});
+  auto first = c.open(0, false, buffer);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  auto last = c.open(1, true, buffer);
+  c.launched(last, 2.5, 16);
+  c.close(last);
+  c.close(first);
+  auto s = c.snapshot();
+  ASSERT_EQ(s.last_timed.size(), 2u);  // the second iteration's, not the first's
+  EXPECT_EQ(s.last_timed[0].bucket, 0);
+  EXPECT_DOUBLE_EQ(s.last_timed[0].start_us, 0.0);  // times count from the first hand-over
+  EXPECT_GE(s.last_timed[1].start_us, 5000.0);
+  EXPECT_GE(s.last_timed[0].end_us, s.last_timed[1].end_us);  // bucket 0 closed last
+  EXPECT_EQ(s.last_timed[1].bytes_out, 16);
+  EXPECT_DOUBLE_EQ(s.last_timed[1].host_us, 2.5);
+}
+
 TEST(Counters, DroppedRecordsCountBytesButNoTime) {
   Counters c;
   at::Tensor buffer = at::empty({8});
