@@ -63,17 +63,20 @@ def one_rank_timeline(model_name, batch, device):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     torch.manual_seed(0)
-    model = example.build_model(model_name).to(device)
-    size = 224 if model_name != "tiny" else 64
-    x = torch.randn(batch, 3, size, size, device=device)
-    y = torch.randint(0, 1000, (batch,), device=device)
     amp = device.type == "cuda"
+    # As the example trains: channels_last and cuDNN's autotuner on GPUs.
+    layout = torch.channels_last if amp else torch.contiguous_format
+    torch.backends.cudnn.benchmark = True
+    model = example.build_model(model_name).to(device, memory_format=layout)
+    size = 224 if model_name != "tiny" else 64
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=layout)
+    y = torch.randint(0, 1000, (batch,), device=device)
 
     def loss_fn(m, _):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             return torch.nn.functional.cross_entropy(m(x), y)
 
-    timeline = sim.measure_backward(model, None, loss_fn)
+    timeline = sim.measure_backward(model, None, loss_fn, iters=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     for _ in range(3):
         opt.step()
@@ -96,6 +99,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--link", default=None, help="simulator link: a preset or an allreduce sweep JSON")
+    p.add_argument("--predict-ranks", type=int, nargs="+", default=[8],
+                   help="also predict every row at these rank counts (default 8)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--out", default="benchmarks/results/resnet50_scaling.json")
     args = p.parse_args(argv)
@@ -109,15 +114,23 @@ def main(argv=None):
 
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     timeline, step_us = one_rank_timeline(model, batch, device)
-    runs = [(1, "default DDP (AllReduce)")] + [(n, c) for n in ranks for c in configs]
+    runs = [(1, "default DDP (AllReduce)")]
+    runs += [(n, c) for n in ranks for c in configs if (n, c) not in runs]
     rows, started = [], time.monotonic()
+    payload = {"benchmark": "resnet50_scaling", "environment": environment(), "args": vars(args), "model": model,
+               "batch": batch, "link": vars(link),
+               "one_rank": {"forward_us": timeline.forward_us, "backward_us": timeline.backward_us,
+                            "optimizer_us": step_us, "gradients": len(timeline.gradients)}, "rows": rows}
     for i, (n, name) in enumerate(runs):
         flags, view = CONFIGS[name]
         figures = run_example(n, flags, common, args.timeout)
         figures["config"] = name
         if view is not None:
             figures["predicted"] = sim.predict(timeline, link, n, view, optimizer_us=step_us)
+            figures["predicted_at"] = {str(m): sim.predict(timeline, link, m, view, optimizer_us=step_us)
+                                       for m in args.predict_ranks}
         rows.append(figures)
+        write_results(args.out, payload)  # after every row: a long study keeps what it measured
         elapsed = time.monotonic() - started
         print(f"row {i + 1}/{len(runs)} done ({name}, {n} rank(s)): {figures['iteration_ms']:.1f} ms/iteration; "
               f"elapsed {elapsed:.0f} s, about {elapsed / (i + 1) * (len(runs) - i - 1):.0f} s to go", flush=True)
@@ -132,11 +145,10 @@ def main(argv=None):
               f"{100 * r['predicted']['efficiency']:.0f}%" if "predicted" in r else "-"] for r in rows]
     print(format_rows(["config", "ranks", "comm ms", "exposed ms", "iter ms", "samples/s", "speedup", "efficiency",
                        "predicted ms", "predicted eff."], table))
-    write_results(args.out, {"benchmark": "resnet50_scaling", "environment": environment(), "args": vars(args),
-                             "model": model, "batch": batch, "link": vars(link),
-                             "one_rank": {"forward_us": timeline.forward_us, "backward_us": timeline.backward_us,
-                                          "optimizer_us": step_us, "gradients": len(timeline.gradients)},
-                             "rows": rows})
+    for m in args.predict_ranks:
+        print(f"predicted at {m} ranks on {link.name}: " + ", ".join(
+            f"{r['config']} {100 * r['predicted_at'][str(m)]['efficiency']:.0f}%" for r in rows if "predicted_at" in r))
+    write_results(args.out, payload)
     return rows
 
 
