@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import hooks, launch, registration
+from .overlap import OverlappedOptimizer
 from .stats import format_table
 
 
@@ -25,7 +26,12 @@ def _configs():
             ("commtune PowerSGD(rank=2), from iteration 2", hooks.PowerSGD(rank=2, start_iter=2)),
             # min_size=0: the demo's buckets are smaller than the default threshold
             ("commtune Quantize(8 bits)", hooks.Quantize(min_size=0)),
-            ("commtune SignSGD", hooks.SignSGD(min_size=0))]
+            ("commtune SignSGD", hooks.SignSGD(min_size=0)),
+            ("commtune TopK(0.05)", hooks.TopK(ratio=0.05, min_size=0)),
+            # the small buckets go with the next one; the update runs inside backward
+            ("commtune Fused(AllReduce, 8 MB)", hooks.Fused(hooks.AllReduce(), min_bytes=8 << 20)),
+            ("commtune WithOptimizer(AllReduce, sgd)", hooks.WithOptimizer(hooks.AllReduce(), "sgd", lr=0.02,
+                                                                          momentum=0.9))]
 
 
 def _train(rank, world_size, iterations):
@@ -43,7 +49,8 @@ def _train(rank, world_size, iterations):
         model = _model().to(device)
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=1) if hook is None else \
             registration.wrap(model, hook=hook, device_ids=ids, bucket_cap_mb=1)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+        opt = (OverlappedOptimizer(ddp) if isinstance(hook, hooks.WithOptimizer)
+               else torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9))
         losses = []
         start = time.perf_counter()
         for i in range(iterations):
@@ -56,7 +63,10 @@ def _train(rank, world_size, iterations):
         ms = (time.perf_counter() - start) / iterations * 1e3
         say(f"\n[{n}/{len(_configs())}] {label}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {ms:.1f} ms/iteration")
         if hook is not None:
-            say(format_table(registration.handle_of(ddp).stats()))
+            stats = registration.handle_of(ddp).stats()
+            say(format_table(stats))
+            if "fused_buckets" in stats:
+                say(f"fused: {stats['fused_buckets']:.0f} small buckets sent in {stats['fused_sends']:.0f} fused sends")
         dist.barrier()
 
 
