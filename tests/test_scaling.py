@@ -20,3 +20,9 @@ def test_cpu_scaling_study_writes_every_row(tmp_path, capsys):
     assert two["comm_ms"] > 0 and 0 <= two["exposed_comm_ms"] <= two["comm_ms"]  # from the counters
     printed = capsys.readouterr().out
     assert "row 3/3 done" in printed and "predicted eff." in printed
+
+    # Offline: the same study's timeline predicted at 64 ranks over 400 Gb/s.
+    table = scaling.main(["--from", str(out), "--predict-ranks", "2", "64", "--link", "ib-400g"])
+    default = [row for row in table if row[0] == "default DDP (AllReduce)"]
+    assert [row[1] for row in default] == ["2", "64"] and all(row[2] != "-" for row in default)
+    assert "ib-400g" in capsys.readouterr().out

@@ -76,6 +76,14 @@ class BackwardTimeline:
     backward_us: float
     forward_us: float = 0.0
 
+    def to_dict(self):
+        return {"gradients": [list(g) for g in self.gradients], "backward_us": self.backward_us,
+                "forward_us": self.forward_us}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls([tuple(g) for g in d["gradients"]], d["backward_us"], d.get("forward_us", 0.0))
+
 
 @dataclass
 class Prediction:

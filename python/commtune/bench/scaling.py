@@ -6,6 +6,7 @@ simulator's prediction beside it (from one rank's measured backward and a link m
 
     python benchmarks/resnet50_scaling.py                   # every GPU: 1, 2, 4, ... ranks
     python benchmarks/resnet50_scaling.py --cpu             # 2 gloo ranks, a small model, 2 rows
+    python benchmarks/resnet50_scaling.py --from results.json --predict-ranks 64 --link ib-400g
 """
 import argparse
 import json
@@ -90,6 +91,26 @@ def one_rank_timeline(model_name, batch, device):
     return timeline, (time.perf_counter() - started) / 5 * 1e6
 
 
+def predict_from(path, ranks, link):
+    """Every configuration predicted at these rank counts from a saved study's one-rank timeline:
+    "what if 64 GPUs over 400 Gb/s?" without running anything."""
+    data = json.load(open(path))
+    if "timeline" not in data.get("one_rank", {}):
+        raise SystemExit(f"{path} holds no one-rank timeline (written by this benchmark since 2026-12-03)")
+    timeline = sim.BackwardTimeline.from_dict(data["one_rank"]["timeline"])
+    step_us = data["one_rank"]["optimizer_us"]
+    table = []
+    for name, (_, view) in CONFIGS.items():
+        for n in ranks:
+            p = sim.predict(timeline, link, n, view, optimizer_us=step_us) if view else None
+            table.append([name, str(n), f"{p['iteration_us'] / 1e3:.1f}" if p else "-",
+                          f"{p['exposed_us'] / 1e3:.2f}" if p else "-", f"{100 * p['efficiency']:.0f}%" if p else "-"])
+    print(f"{data['model']}, batch {data['batch']} per rank, on {link.name} (alpha {link.alpha_us} us, "
+          f"busbw {link.busbw_GBps} GB/s)")
+    print(format_rows(["config", "ranks", "predicted ms", "exposed ms", "efficiency"], table))
+    return table
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="gloo ranks and a small model (default without GPUs)")
@@ -103,7 +124,11 @@ def main(argv=None):
                    help="also predict every row at these rank counts (default 8)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--out", default="benchmarks/results/resnet50_scaling.json")
+    p.add_argument("--from", dest="saved", default=None,
+                   help="predict only, from this saved study's one-rank timeline (at --predict-ranks, on --link)")
     args = p.parse_args(argv)
+    if args.saved:
+        return predict_from(args.saved, args.predict_ranks, sim.link_of(args.link or "nvlink4-nvswitch"))
     cpu = args.cpu or not torch.cuda.is_available()
     model = "tiny" if cpu else "resnet50"
     batch = args.batch or (8 if cpu else 128)
@@ -120,7 +145,8 @@ def main(argv=None):
     payload = {"benchmark": "resnet50_scaling", "environment": environment(), "args": vars(args), "model": model,
                "batch": batch, "link": vars(link),
                "one_rank": {"forward_us": timeline.forward_us, "backward_us": timeline.backward_us,
-                            "optimizer_us": step_us, "gradients": len(timeline.gradients)}, "rows": rows}
+                            "optimizer_us": step_us, "gradients": len(timeline.gradients),
+                            "timeline": timeline.to_dict()}, "rows": rows}
     for i, (n, name) in enumerate(runs):
         flags, view = CONFIGS[name]
         figures = run_example(n, flags, common, args.timeout)
