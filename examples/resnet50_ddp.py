@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 examples/resnet50_ddp.py --hook bf16 --bucket-mb 25
     torchrun --nproc-per-node 8 examples/resnet50_ddp.py --nccl-algo tree --nccl-buffsize 16MiB
+    torchrun --nproc-per-node 8 examples/resnet50_ddp.py --nccl-profile tuned.json   # from `commtune tune nccl`
     torchrun --nproc-per-node 2 examples/resnet50_ddp.py --model tiny --batch 8   # CPU, gloo
 
 Synthetic data by default (or --data an ImageFolder), AMP (bf16) and channels_last on GPUs.
@@ -70,6 +71,8 @@ def parse():
     p.add_argument("--nccl-algo", default=None)
     p.add_argument("--nccl-proto", default=None)
     p.add_argument("--nccl-buffsize", default=None)
+    p.add_argument("--nccl-profile", default=None,
+                   help="NCCL settings from a `python -m commtune tune nccl` profile (instead of the three above)")
     p.add_argument("--data", default=None, help="an ImageFolder directory (default: synthetic data)")
     p.add_argument("--result", default=None, help="append this run's figures to this JSON-lines file")
     return p.parse_args()
@@ -81,7 +84,8 @@ def main():
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.backends.cudnn.benchmark = True
-    settings = ct.nccl.Settings(algo=args.nccl_algo, proto=args.nccl_proto, buffsize=args.nccl_buffsize)
+    settings = (ct.nccl.Settings.from_profile(args.nccl_profile) if args.nccl_profile
+                else ct.nccl.Settings(algo=args.nccl_algo, proto=args.nccl_proto, buffsize=args.nccl_buffsize))
     ct.init_process_group("nccl" if cuda else "gloo", settings=settings if cuda else None)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,7 +134,7 @@ def main():
     timed = max(1, stats["timed_iterations"])
     figures = {"ranks": world, "model": args.model, "batch": args.batch, "hook": args.hook, "bucket_mb": args.bucket_mb,
                "accumulate": args.accumulate, "overlap_optimizer": args.overlap_optimizer,
-               "nccl": settings.__dict__ if cuda else None, "iteration_ms": float(median),
+               "nccl": settings.to_dict() if cuda else None, "iteration_ms": float(median),
                "samples_per_s": world * args.batch * args.accumulate / float(median) * 1e3,
                "comm_ms": stats["comm_us"] / timed / 1e3, "exposed_comm_ms": stats["exposed_comm_us"] / timed / 1e3}
     if rank == 0:

@@ -26,3 +26,15 @@ def test_cpu_scaling_study_writes_every_row(tmp_path, capsys):
     default = [row for row in table if row[0] == "default DDP (AllReduce)"]
     assert [row[1] for row in default] == ["2", "64"] and all(row[2] != "-" for row in default)
     assert "ib-400g" in capsys.readouterr().out
+
+
+def test_auto_tuned_row_runs_the_example_with_the_profile(tmp_path):
+    from commtune.nccl import Settings
+
+    profile = tmp_path / "tuned.json"
+    Settings(algo="ring", buffsize="8MiB").save_profile(str(profile))
+    rows = scaling.main(["--cpu", "--configs", "default DDP (AllReduce)", "--tuned-profile", str(profile),
+                         "--iters", "2", "--warmup", "1", "--out", str(tmp_path / "s.json")])
+    assert [(r["config"], r["ranks"]) for r in rows] == [
+        ("default DDP (AllReduce)", 1), ("default DDP (AllReduce)", 2), ("auto-tuned (NCCL profile)", 2)]
+    assert rows[-1]["iteration_ms"] > 0 and "predicted" in rows[-1]

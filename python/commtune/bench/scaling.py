@@ -120,6 +120,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--link", default=None, help="simulator link: a preset or an allreduce sweep JSON")
+    p.add_argument("--tuned-profile", default=None,
+                   help="add an 'auto-tuned' row: NCCL settings from this `commtune tune nccl` profile")
     p.add_argument("--predict-ranks", type=int, nargs="+", default=[8],
                    help="also predict every row at these rank counts (default 8)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
@@ -139,6 +141,11 @@ def main(argv=None):
 
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     timeline, step_us = one_rank_timeline(model, batch, device)
+    configs_here = dict(CONFIGS)
+    if args.tuned_profile:
+        # The simulator cannot know what a NCCL setting gains: it predicts the default's time.
+        configs_here["auto-tuned (NCCL profile)"] = (["--nccl-profile", args.tuned_profile], sim.Config("tuned"))
+        configs = configs + ["auto-tuned (NCCL profile)"]
     runs = [(1, "default DDP (AllReduce)")]
     runs += [(n, c) for n in ranks for c in configs if (n, c) not in runs]
     rows, started = [], time.monotonic()
@@ -148,7 +155,7 @@ def main(argv=None):
                             "optimizer_us": step_us, "gradients": len(timeline.gradients),
                             "timeline": timeline.to_dict()}, "rows": rows}
     for i, (n, name) in enumerate(runs):
-        flags, view = CONFIGS[name]
+        flags, view = configs_here[name]
         figures = run_example(n, flags, common, args.timeout)
         figures["config"] = name
         if view is not None:
