@@ -66,10 +66,11 @@ def _model():
 def test_backward_timeline_has_every_gradient_in_ready_order():
     model = _model()
     t = sim.measure_backward(model, torch.randn(32, 64))
-    assert sorted(b for b, _ in t.gradients) == sorted(p.numel() * 4 for p in model.parameters())
-    times = [at for _, at in t.gradients]
+    assert sorted(g[0] for g in t.gradients) == sorted(p.numel() * 4 for p in model.parameters())
+    times = [g[1] for g in t.gradients]
     assert times == sorted(times) and 0 <= times[0] and times[-1] <= t.backward_us
     assert t.gradients[0][0] in (10 * 4, 10 * 256 * 4)  # the last layer's gradients come first
+    assert sorted(g[2] for g in t.gradients) == sorted(tuple(p.shape) for p in model.parameters())
 
 
 def test_planner_picks_the_least_exposed_candidate():
@@ -116,3 +117,16 @@ def test_prediction_adds_the_exposed_tail_and_the_step():
     assert accum["iteration_us"] == pytest.approx(4 * 1500 + comm + 100)  # one send per 4 micro-steps
     one = sim.predict(t, link, 1, sim.Config("one"), optimizer_us=100.0)
     assert one["speedup"] == pytest.approx(1.0) and one["exposed_us"] == 0.0
+
+
+def test_powersgd_wire_bytes_follow_torchs_compression_rule():
+    from commtune.sim import powersgd_wire_bytes
+
+    assert powersgd_wire_bytes(4 * 256 * 256, (256, 256), 4) == 4 * (256 + 256) * 4  # P and Q
+    assert powersgd_wire_bytes(4 * 64 * 3 * 3 * 3, (64, 3, 3, 3), 4) == 4 * (64 + 27) * 4  # conv as 64 x 27
+    assert powersgd_wire_bytes(4 * 10 * 12, (10, 12), 4) == 4 * 10 * 12  # (10+12)*4*2 >= 120: sent whole
+    assert powersgd_wire_bytes(4 * 256, (256,), 4) == 4 * 256  # 1-D: never compressed
+    link = Link("bw", alpha_us=0.0, busbw_GBps=1.0)
+    t = BackwardTimeline([(4 * 256, 0.0, (256,)), (4 * 256 * 256, 10.0, (256, 256))], backward_us=10.0)
+    pred = sim.predict(t, link, 2, sim.Config("powersgd", powersgd_rank=4, first_bucket_mb=None))
+    assert pred["exposed_us"] == pytest.approx(link.allreduce_us(4 * 256 + 4 * 512 * 4, 2))

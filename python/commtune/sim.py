@@ -70,7 +70,7 @@ def link_of(link):
 
 @dataclass
 class BackwardTimeline:
-    """Gradients in the order they became ready: (bytes, ready_us after backward started)."""
+    """Gradients in the order they became ready: (bytes, ready_us after backward started[, shape])."""
 
     gradients: list
     backward_us: float
@@ -82,7 +82,8 @@ class BackwardTimeline:
 
     @classmethod
     def from_dict(cls, d):
-        return cls([tuple(g) for g in d["gradients"]], d["backward_us"], d.get("forward_us", 0.0))
+        return cls([tuple(g[:2]) + tuple(tuple(x) for x in g[2:]) for g in d["gradients"]], d["backward_us"],
+                   d.get("forward_us", 0.0))
 
 
 @dataclass
@@ -94,25 +95,44 @@ class Prediction:
     exposed_us: float = 0.0
 
 
-def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_per_byte=0.0, wire_factor=1.0):
+def powersgd_wire_bytes(nbytes, shape, rank, min_compression_rate=2.0):
+    """What PowerSGD sends for one gradient (torch's rule: matrices, conv weights as
+    shape[0] x the rest, are compressed when (rows + cols) * rank * min_compression_rate
+    < rows * cols; P and Q go out, rows * rank and cols * rank values)."""
+    if shape is None or len(shape) <= 1:
+        return nbytes
+    rows = shape[0]
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    if (rows + cols) * rank * min_compression_rate < rows * cols:
+        return nbytes * (rows + cols) * rank / (rows * cols)
+    return nbytes
+
+
+def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_per_byte=0.0, wire_factor=1.0,
+           powersgd_rank=0):
     """DDP's buckets on this timeline and their sends on this link (see the module's doc).
-    `wire_factor`: bytes a hook puts on the wire per gradient byte (0.5 for a bf16 cast)."""
+    `wire_factor`: bytes a hook puts on the wire per gradient byte (0.5 for a bf16 cast);
+    `powersgd_rank`: PowerSGD's rule instead (needs the gradients' shapes)."""
     first_cap = (first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb) * MB
     cap = bucket_cap_mb * MB
-    buckets, size, ready = [], 0, 0.0
-    for nbytes, at in timeline.gradients:
+    buckets, size, wire, ready = [], 0, 0.0, 0.0
+    for nbytes, at, *shape in timeline.gradients:
         # DDP's rule (compute_bucket_assignment_by_size): add, then close once at the limit.
         size, ready = size + nbytes, max(ready, at)
+        wire += (powersgd_wire_bytes(nbytes, shape[0] if shape else None, powersgd_rank) if powersgd_rank
+                 else nbytes * wire_factor)
         if size >= (first_cap if not buckets else cap):
-            buckets.append((size, ready))
-            size, ready = 0, 0.0
+            buckets.append((size, wire, ready))
+            size, wire, ready = 0, 0.0, 0.0
     if size:
-        buckets.append((size, ready))
+        buckets.append((size, wire, ready))
     pred = Prediction(bucket_cap_mb, first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb)
     free = 0.0
-    for nbytes, at in buckets:
+    for nbytes, wire, at in buckets:
         start = max(at, free)
-        cost = link.allreduce_us(nbytes * wire_factor, ranks) + hook_us_per_byte * nbytes
+        cost = link.allreduce_us(wire, ranks) + hook_us_per_byte * nbytes
         free = start + cost
         pred.buckets.append((nbytes, at, start, free))
         pred.comm_us += cost
@@ -155,7 +175,7 @@ def measure_backward(model, sample_batch, loss_fn=None, iters=3):
     finally:
         for h in handles:
             h.remove()
-    gradients = [(p.numel() * p.element_size(), between(started, mark)) for p, mark in marks]
+    gradients = [(p.numel() * p.element_size(), between(started, mark), tuple(p.shape)) for p, mark in marks]
     return BackwardTimeline(gradients, between(started, ended), between(begin, started))
 
 
@@ -199,6 +219,7 @@ class Config:
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0  # DDP's default first bucket; None: the cap
     wire_factor: float = 1.0  # bytes on the wire per gradient byte
+    powersgd_rank: int = 0  # PowerSGD at this rank (its own rule for the wire bytes)
     link_scale: float = 1.0  # the link's bandwidth times this (an NCCL setting's measured gain)
     accumulation: int = 1  # micro-steps per communicating step
     overlap_optimizer: bool = False
@@ -213,7 +234,8 @@ def predict(timeline, link, ranks, config, optimizer_us=0.0):
     link = link_of(link)
     if config.link_scale != 1.0:
         link = Link(link.name, link.alpha_us, link.busbw_GBps * config.link_scale)
-    pred = replay(timeline, link, ranks, config.bucket_cap_mb, config.first_bucket_mb, wire_factor=config.wire_factor)
+    pred = replay(timeline, link, ranks, config.bucket_cap_mb, config.first_bucket_mb, wire_factor=config.wire_factor,
+                  powersgd_rank=config.powersgd_rank)
     compute = timeline.forward_us + timeline.backward_us
     step = optimizer_us
     if config.overlap_optimizer and pred.buckets:
