@@ -10,6 +10,7 @@ Beside torch, the commtune lines are the import, ct.init_process_group and ct.wr
 --overlap-optimizer, ct.OverlappedOptimizer, and ct.stats for --result).
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -142,6 +143,10 @@ def main():
         if args.result:
             with open(args.result, "a") as f:
                 f.write(json.dumps(figures) + "\n")
+    # DDP (its reducer and hook hold the process group) goes before the group does.
+    del opt, ddp, data
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
