@@ -4,8 +4,8 @@ import contextlib
 
 import torch
 
-from .hooks import WithOptimizer, _C, _check_hyperparameters, optimizer_options
-from .registration import handle_of
+from .hooks import OPTIMIZER_DEFAULTS, WithOptimizer, _C, _check_hyperparameters, optimizer_options
+from .registration import _HANDLE_ATTR, handle_of
 
 
 class OverlappedOptimizer(torch.optim.Optimizer):
@@ -33,7 +33,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
             raise ValueError("OverlappedOptimizer keeps one param_group (the hook updates every parameter alike)")
         group = self.param_groups[0]
         values = {k: (float(v) if isinstance(v, torch.Tensor) else v)
-                  for k, v in group.items() if k in _hyperparameter_names(self._kind)}
+                  for k, v in group.items() if k in OPTIMIZER_DEFAULTS[self._kind]}
         _check_hyperparameters(self._kind, values, where="OverlappedOptimizer")
         _C.set_hyperparameters(self._handle._native, optimizer_options(self._kind, values))
 
@@ -57,25 +57,12 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)  # param_groups, and self.state in torch's form
         entries = {}
-        for p, state in self.state.items():
-            module_index = self._module_index[self._position(p)]
-            for name, value in state.items():
-                entries[f"optim.{module_index}.{name}"] = value
+        for position, p in enumerate(self.param_groups[0]["params"]):
+            for name, value in self.state.get(p, {}).items():
+                entries[f"optim.{self._module_index[position]}.{name}"] = value
         self.state.clear()  # the hook holds the state; keep no second copy
         _C.load_optimizer_state(self._handle._native, entries)
         self._push_hyperparameters()
-
-    def _position(self, p):
-        for i, q in enumerate(self.param_groups[0]["params"]):
-            if q is p:
-                return i
-        raise KeyError("parameter not in the optimizer")
-
-
-def _hyperparameter_names(kind):
-    from .hooks import OPTIMIZER_DEFAULTS
-
-    return OPTIMIZER_DEFAULTS[kind]
 
 
 class _MicroStep:
@@ -85,7 +72,7 @@ class _MicroStep:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):
-        handle = getattr(self.ddp, "_commtune_handle", None)
+        handle = getattr(self.ddp, _HANDLE_ATTR, None)
         if not self.last:
             self._stack.enter_context(self.ddp.no_sync())
         elif self.average and handle is not None:
@@ -97,7 +84,7 @@ class _MicroStep:
         return self
 
     def __exit__(self, *exc):
-        handle = getattr(self.ddp, "_commtune_handle", None)
+        handle = getattr(self.ddp, _HANDLE_ATTR, None)
         if self.last and self.average and handle is None and exc[0] is None:
             grads = [p.grad for p in self.ddp.module.parameters() if p.grad is not None]
             torch._foreach_div_(grads, self.steps)  # plain DDP: averaged after the fact

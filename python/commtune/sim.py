@@ -110,8 +110,7 @@ def powersgd_wire_bytes(nbytes, shape, rank, min_compression_rate=2.0):
     return nbytes
 
 
-def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_per_byte=0.0, wire_factor=1.0,
-           powersgd_rank=0):
+def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, wire_factor=1.0, powersgd_rank=0):
     """DDP's buckets on this timeline and their sends on this link (see the module's doc).
     `wire_factor`: bytes a hook puts on the wire per gradient byte (0.5 for a bf16 cast);
     `powersgd_rank`: PowerSGD's rule instead (needs the gradients' shapes)."""
@@ -132,7 +131,7 @@ def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, hook_us_p
     free = 0.0
     for nbytes, wire, at in buckets:
         start = max(at, free)
-        cost = link.allreduce_us(wire, ranks) + hook_us_per_byte * nbytes
+        cost = link.allreduce_us(wire, ranks)
         free = start + cost
         pred.buckets.append((nbytes, at, start, free))
         pred.comm_us += cost

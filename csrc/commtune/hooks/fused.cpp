@@ -35,7 +35,7 @@ Hook::Launch FusedHook::send_fused(c10d::GradBucket& bucket) {
   held_.clear();
   ++fused_sends_;
   // One bucket of the held ones and this one, in order, as the inner hook expects buckets.
-  std::vector<at::Tensor> pieces, grads, parameters;
+  std::vector<at::Tensor> pieces, parameters;
   std::vector<size_t> offsets, lengths;
   std::vector<c10::IntArrayRef> sizes;
   auto own_grads = std::make_shared<std::vector<at::Tensor>>(bucket.getGradients());

@@ -92,8 +92,8 @@ void OptimizerHook::update(const std::vector<at::Tensor>& parameters, const std:
   at::NoGradGuard no_grad;
   if (o.optimizer == "adamw") {
     at::_foreach_add_(steps, 1);  // one launch for the bucket, not one per parameter
-    at::_fused_adamw_(parameters, grads, firsts, seconds, at::TensorList(), steps, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
-                      /*amsgrad=*/false, o.maximize);
+    at::_fused_adamw_(parameters, grads, firsts, seconds, /*max_exp_avg_sqs=*/at::TensorList(), steps, o.lr, o.beta1,
+                      o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false, o.maximize);
   } else {
     at::_fused_sgd_(parameters, grads, firsts, o.weight_decay, o.momentum, o.lr, o.dampening, o.nesterov, o.maximize,
                     first_step);

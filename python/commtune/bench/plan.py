@@ -6,13 +6,12 @@ then DDP training at each candidate bucket cap with commtune's AllReduce, whose 
 the communication left after backward (exposed_comm_us). Rank 0 prints both per cap.
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from .. import hooks, launch, registration, sim
+from . import allreduce_sweep
 from .common import environment, format_rows, write_results
 
 
@@ -25,21 +24,11 @@ def _model(width, depth, device):
 
 
 def _link(device, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24), iters=5):
-    """This machine's allreduce, fitted: the same definition as the allreduce sweep."""
+    """This machine's allreduce, timed as the allreduce sweep times it, and fitted."""
     rows = []
     for nbytes in sizes:
-        x = torch.ones(nbytes // 4, device=device)
-        times = []
-        for _ in range(iters + 1):
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e6)
-        rows.append({"op": "all_reduce", "bytes": nbytes, "time_us": statistics.median(times[1:])})
+        seconds, measured = allreduce_sweep.time_op("all_reduce", nbytes, device, warmup=1, iters=iters)
+        rows.append({"op": "all_reduce", "bytes": measured, "time_us": seconds * 1e6})
     return sim.Link.from_sweep({"world_size": world, "rows": rows}, name="this machine (fitted)"), rows
 
 
