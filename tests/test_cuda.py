@@ -138,3 +138,53 @@ def test_with_optimizer_on_nccl_equals_ddp_plus_torch_optimizer(inner, kind):
     from test_overlap import check_with_optimizer, optimizer_run
 
     check_with_optimizer(distributed.run(optimizer_run, cuda_world_size(), inner, kind, "cuda", backend="nccl"))
+
+
+def _streams_of_decode_kernels(rank, world_size, steps=3):
+    """Stream of every CUDA kernel launched while training under Cast(bf16), from a profile."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ddp_variants import build
+    from models import batch, loss_fn
+
+    ddp = build("commtune.Cast(bf16)", "cuda")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def step(i):
+        loss_fn(ddp, *batch(rank, i, "cuda")).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(2):  # past DDP's bucket rebuild
+        step(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(2 + i)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = [(e["name"], e["args"].get("stream", e.get("tid"))) for e in events
+               if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return {"kernels": kernels, "buckets": len(ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").split(",")),
+            "steps": steps}
+
+
+def test_continuations_run_on_one_side_stream():
+    """The decode after each bucket's allreduce runs on commtune's one side stream: c10's Future
+    would put each bucket's on the next stream of torch's pool, which cost ResNet-50 about 1 ms
+    per iteration on an H200 (benchmarks/results/NOTES.md)."""
+    for r in distributed.run(_streams_of_decode_kernels, cuda_world_size(), backend="nccl"):
+        streams = [s for name, s in r["kernels"] if "nccl" not in name.lower()]
+        compute = max(set(streams), key=streams.count)
+        side = [s for s in streams if s != compute]
+        # One decode per bucket and step, all on one stream that is not backward's.
+        assert len(side) >= r["buckets"] * r["steps"], r["kernels"]
+        assert len(set(side)) == 1, sorted(set(side))

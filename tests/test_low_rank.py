@@ -54,7 +54,9 @@ def test_rank_deficient_columns_stay_finite_with_epsilon(device):
 
 @needs_cuda
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("rows", [300, 70000])  # staged in shared memory, and too big for it
+# Staged in shared memory; 3072 x 4 floats staged fill exactly 48 KB, which with the kernel's own
+# shared memory needs the opt-in (a transformer's 3072-wide layers); too big to stage.
+@pytest.mark.parametrize("rows", [300, 3072, 70000])
 def test_cuda_orthogonalization_in_shared_and_global_memory(rows):
     m = torch.randn(2, rows, 4, generator=torch.Generator().manual_seed(rows))
     ours = m.cuda()
@@ -135,3 +137,21 @@ def test_batched_cuda_steps_match_a_float64_reference(dtype, tol, rank):
         assert rel(ours, theirs) <= tol
     again = run()
     assert all(torch.equal(a, b) for a, b in zip(got[:5], again[:5]))  # fixed summation order
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bucket_without_matrices_packs_and_divides_its_rest(device):
+    """A bucket whose tensors all travel uncompressed (biases and norms alone, as a transformer's
+    small buckets are): no matrix to size the kernels by, the rest packed and divided all the same."""
+    g = torch.Generator().manual_seed(5)
+    x, a = torch.randn(400, generator=g), torch.randn(400, generator=g)
+    rest = [[0, 150, 0], [150, 250, 150]]
+    p, q, packed, out, error, norms = (
+        t.cpu() for t in _C.powersgd_steps(x.to(device), torch.empty(0, device=device), [], rest, 1e-8,
+                                           addend=a.to(device), divisor=2)[:6])
+    total = x + a
+    assert p.numel() == 0 and q.numel() == 0
+    torch.testing.assert_close(packed, total)
+    torch.testing.assert_close(out, total / 2)
+    torch.testing.assert_close(error, total - total / 2)
+    assert norms.tolist() == [0.0, 0.0]  # the norms cover matrices only

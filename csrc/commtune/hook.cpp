@@ -1,6 +1,7 @@
 #include <commtune/hook.h>
 
 #include <commtune/shape.h>
+#include <commtune/side_stream.h>
 
 #include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
@@ -120,7 +121,12 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::launch(c10d::GradBucket& bucket, c
         }
         const c10::IValue& value = done.value();
         at::Tensor reduced = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
-        at::Tensor result = finish ? finish(reduced) : reduced;
+        if (!finish) {
+          counters->close(ticket);
+          return reduced;
+        }
+        SideStreamScope side(reduced.device());
+        at::Tensor result = finish(reduced);
         counters->close(ticket);
         return result;
       },
@@ -189,8 +195,7 @@ void Hook::after_on_side_stream(const at::Tensor& like, const c10::intrusive_ptr
                                 const std::function<void()>& work) {
   std::optional<c10::StreamGuard> side;
   if (!like.is_cpu()) {
-    c10::impl::VirtualGuardImpl impl(like.device().type());
-    side.emplace(impl.getStreamFromGlobalPool(like.device()));
+    side.emplace(side_stream(like.device()));
   }
   done->wait();
   work();

@@ -4,7 +4,7 @@
 // DDP's reducer calls runHook() once per bucket. The base class opens the
 // bucket's counter record, asks the derived hook to launch its communication
 // (communicate()), and chains one continuation that finishes the bucket
-// (decompression, if any) and closes the record. Once any hook is registered
+// (decompression, if any, on the side stream of side_stream.h) and closes the record. Once any hook is registered
 // the reducer no longer divides by the world size: every hook must.
 
 #include <commtune/counters.h>
@@ -89,8 +89,8 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   // Mean-allreduces `tensor` in place. On NCCL the 1/world_size factor rides in
   // the collective (PREMUL_SUM); elsewhere one scale pass runs first.
   c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(at::Tensor& tensor) const;
-  // Runs `work` once `done` has completed. On a GPU it is queued on a side stream that waits
-  // for `done`, so the stream of backward (and of `like`) does not; on CPU the host waits.
+  // Runs `work` once `done` has completed. On a GPU it is queued on commtune's side stream
+  // (side_stream.h) behind `done`, so the stream of backward does not wait; on CPU the host waits.
   static void after_on_side_stream(const at::Tensor& like, const c10::intrusive_ptr<c10::ivalue::Future>& done,
                                    const std::function<void()>& work);
 

@@ -10,6 +10,10 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 namespace commtune {
 namespace {
 
@@ -334,12 +338,29 @@ __global__ void decompress_kernel(const scalar_t* __restrict__ p, const scalar_t
   }
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device. A block that uses
+// more than 48 KB, its static shared memory counted in, must opt in: the check is against the
+// dynamic bytes alone, so it opts in for any size (once per kernel, device and larger size,
+// since the driver call is slow on some machines).
+void allow_dynamic_shared(const void* kernel, size_t bytes) {
+  if (bytes == 0) return;
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> allowed;
+  const std::pair<const void*, int> key{kernel, static_cast<int>(c10::cuda::current_device())};
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& done = allowed[key];
+  if (bytes <= done) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  done = bytes;
+}
+
 int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads; }
 
-// Calls f.template operator()<R>() with the smallest supported R >= rank.
+// Calls f.template operator()<R>() with the smallest supported R >= rank. Rank 0 is a bucket
+// whose tensors all travel uncompressed (only the rest): any R serves.
 template <typename F>
 void with_rank(int64_t rank, F&& f) {
-  TORCH_INTERNAL_ASSERT(rank >= 1 && rank <= kMaxKernelRank);
+  TORCH_INTERNAL_ASSERT(rank >= 0 && rank <= kMaxKernelRank);
   if (rank <= 1) f(std::integral_constant<int, 1>{});
   else if (rank <= 2) f(std::integral_constant<int, 2>{});
   else if (rank <= 4) f(std::integral_constant<int, 4>{});
@@ -413,9 +434,7 @@ void orthogonalize_cuda_(const at::Tensor& memory, const at::Tensor& factors, in
       constexpr int R = decltype(rank)::value;
       constexpr int threads = R <= 8 ? 1024 : 256;  // the sums' registers bound the block above rank 8
       auto kernel = orthogonalize_kernel<scalar_t, R, threads>;
-      if (bytes > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-      }
+      allow_dynamic_shared(reinterpret_cast<const void*>(kernel), bytes);
       kernel<<<count, threads, bytes, stream>>>(memory.mutable_data_ptr<scalar_t>(), entries_of<FactorEntry>(factors),
                                                 static_cast<acc_t>(epsilon), staged);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
