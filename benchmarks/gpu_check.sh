@@ -1,33 +1,41 @@
 #!/usr/bin/env bash
-# One GPU, one call (about 9 minutes): build, the CUDA tests, the figures the open issues ask for,
-# and the NCCL tuner plugin loaded by NCCL. Writes at most 8 files to $OUT (or benchmarks/results/).
-#   bash benchmarks/gpu_check.sh
+# One GPU: the CUDA tests and the figures the open issues ask for, in stages that each fit one
+# device call (under 10 minutes; the build, about a minute, runs when commtune._C is missing).
+# Run them back to back so the machine stays warm:
+#   bash benchmarks/gpu_check.sh tests      # build, CUDA tests, hook overhead (5 x 50 iterations)
+#   bash benchmarks/gpu_check.sh powersgd   # PowerSGD vs torch: ResNet-50 batch 256 and the encoder
+#   bash benchmarks/gpu_check.sh study      # scaling study's 1-GPU rows, optimizer overlap
+# Writes at most 8 files per stage to $OUT (or benchmarks/results/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
+stage=${1:?usage: gpu_check.sh tests|powersgd|study}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-MAX_JOBS=${MAX_JOBS:-16} python -m pip install -v --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
-  || { grep -E "error" -A5 "$out/build.log" | head -60; exit 1; }
-timeout 170 python -m pytest -q -rs -m needs_cuda tests 2>&1 | tee "$out/pytest_cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed"
-# Issue 2: hook overhead where the GPU sets the pace (counters time one iteration in ten by default).
-timeout 100 python benchmarks/hook_overhead.py --batch 256 --reps 5 --iters 10 --warmup 5 \
-  --out "$out/hook_overhead_b256.json" 2>&1 | grep -E "PASS|FAIL|  [0-9]+\.[0-9]+  "
-# Issue 3: PowerSGD against torch's hook where the GPU sets the pace, with a profile of each variant.
-timeout 280 python benchmarks/powersgd.py --models resnet50 --ranks 1 4 8 --buckets 25 1 --batch 256 --reps 3 --iters 8 \
-  --warmup 5 --trace-dir /tmp/psgd --out "$out/powersgd_b256.json" 2>&1 | grep -E "PASS|FAIL| MB "
-cp /tmp/psgd/resnet50/kernels.txt "$out/powersgd_kernels.txt" 2>/dev/null
-cp /tmp/psgd/resnet50/trace_commtune_PowerSGD_r4__25_MB.json.gz "$out/" 2>/dev/null
-# Issue 4: the tuner plugin, loaded and consulted by NCCL (look for "commtune tuner" lines).
-make -C csrc/nccl_tuner > /dev/null && printf 'allreduce 0 18446744073709551615 ring simple\n' > /tmp/commtune.rules
-NCCL_TUNER_PLUGIN=$PWD/csrc/nccl_tuner/libcommtune_nccl_tuner.so COMMTUNE_TUNER_RULES=/tmp/commtune.rules \
-  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 60 python -c "
-import os, torch, torch.distributed as dist
-os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT='29541')
-torch.cuda.set_device(0); dist.init_process_group('nccl')
-x = torch.ones(1 << 20, device='cuda'); dist.all_reduce(x); torch.cuda.synchronize()
-print('allreduce ok', float(x[0])); dist.destroy_process_group()" > "$out/tuner.log" 2>&1
-grep -iE "commtune tuner|tuner" "$out/tuner.log" | head -8
-# Issue 4: the topology through NVML, and as nvidia-smi prints it.
-python -c "import subprocess, commtune as ct; t = ct.nccl.topology(); print('topology:', t.source, '-', t.summary()); \
-print('nvidia-smi:', ct.nccl.parse_topo_matrix(subprocess.run(['nvidia-smi', 'topo', '-m'], capture_output=True, text=True).stdout).summary())"
+if ! python -c "import commtune._C" 2>/dev/null; then
+  MAX_JOBS=${MAX_JOBS:-16} python -m pip install -v --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
+    || { grep -E "error" -A5 "$out/build.log" | head -60; exit 1; }
+fi
+case "$stage" in
+  tests)
+    timeout 240 python -m pytest -q -rs -m needs_cuda tests > "$out/pytest_cuda.log" 2>&1
+    tail -3 "$out/pytest_cuda.log"; grep -E "^(FAILED|ERROR)" "$out/pytest_cuda.log" | head -20
+    # Issue 2's bars: >= 5 interleaved repetitions of >= 50 iterations, where the GPU sets the pace.
+    timeout 300 python benchmarks/hook_overhead.py --batch 256 --reps 5 --iters 50 --warmup 10 \
+      --out "$out/hook_overhead_b256.json" 2>&1 | grep -E "PASS|FAIL|  [0-9]+\.[0-9]+  "
+    ;;
+  powersgd)
+    timeout 300 python benchmarks/powersgd.py --models resnet50 --batch 256 --reps 3 --iters 8 --warmup 5 \
+      --out "$out/powersgd_b256.json" 2>&1 | grep -E "PASS|FAIL| MB |Error"
+    timeout 260 python benchmarks/powersgd.py --models encoder --reps 3 --iters 8 --warmup 5 \
+      --out "$out/powersgd_encoder.json" 2>&1 | grep -E "PASS|FAIL| MB |Error"
+    ;;
+  study)
+    timeout 330 python benchmarks/resnet50_scaling.py --ranks 1 --predict-ranks 8 --iters 12 --warmup 6 \
+      --out "$out/resnet50_scaling_1gpu.json" 2>&1 | tail -25
+    timeout 240 python benchmarks/overlap.py --reps 5 --iters 15 --out "$out/overlap.json" 2>&1 | tail -12
+    ;;
+  *)
+    echo "unknown stage: $stage (tests, powersgd or study)"; exit 2
+    ;;
+esac
