@@ -33,8 +33,9 @@ float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t
   const float scale = quant::scale_of(absmax, kind), inverse = quant::inverse(scale);
   for (int64_t j = 0; j < n; j += 4) {
     int8_t q[4];
+    const uint64_t point = quant::stream_point(static_cast<uint64_t>(draws), first_index + j);
     for (int k = 0; k < 4; ++k) {
-      const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
+      const float draw = draws < 0 ? 0.5f : quant::uniform_at(point + k * quant::kGolden);
       q[k] = quant::encode(values[j + k], inverse, draw, kind);
     }
     quant::store_four_codes(codes, j, q, kind);
@@ -60,7 +61,8 @@ QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, q
   l.chunk = chunk;
   l.kind = codes;
   const int64_t per_rank = (numel + ranks - 1) / ranks;
-  l.shard = std::max<int64_t>(1, (per_rank + chunk - 1) / chunk) * chunk;
+  l.per_shard = std::max<int64_t>(1, (per_rank + chunk - 1) / chunk);
+  l.shard = l.per_shard * chunk;
   return l;
 }
 

@@ -20,10 +20,11 @@ struct QuantizeLayout {
   int64_t chunk = 1024;  // elements per scale
   quant::Codes kind = quant::Codes::int8;
   int64_t shard = 0;  // elements per shard: ceil(numel / ranks), rounded up to whole chunks
+  int64_t per_shard = 0;  // chunks per shard (shard / chunk, kept: kernels would divide per thread)
 
   static QuantizeLayout of(int64_t numel, int64_t ranks, int64_t chunk, quant::Codes codes = quant::Codes::int8);
   COMMTUNE_HD int bits() const { return quant::bits_of(kind); }
-  COMMTUNE_HD int64_t chunks_per_shard() const { return shard / chunk; }
+  COMMTUNE_HD int64_t chunks_per_shard() const { return per_shard; }
   COMMTUNE_HD int64_t code_bytes() const { return shard * bits() / 8; }
   COMMTUNE_HD int64_t piece_bytes() const { return code_bytes() + 4 * chunks_per_shard(); }
   // Where chunk c of shard s keeps its codes and its scale in a packed buffer.

@@ -71,9 +71,10 @@ __device__ __forceinline__ void store_four(scalar_t* __restrict__ dst, int64_t a
 // Encodes four values of the chunk held in shared memory into one store of codes.
 __device__ __forceinline__ void encode_four(const float* values, int64_t j, uint64_t first_index, int64_t draws,
                                             float inverse, quant::Codes kind, uint8_t* codes, int8_t (&q)[4]) {
+  const uint64_t point = quant::stream_point(static_cast<uint64_t>(draws), first_index + j);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
+    const float draw = draws < 0 ? 0.5f : quant::uniform_at(point + k * quant::kGolden);
     q[k] = quant::encode(values[j + k], inverse, draw, kind);
   }
   quant::store_four_codes(codes, j, q, kind);
@@ -166,6 +167,15 @@ __device__ __forceinline__ int64_t warp_chunk(int64_t chunks) {
   return g < chunks ? g : -1;
 }
 
+// The shard of flat chunk g: a 32-bit division when the counts allow (a 64-bit one is a long
+// software routine on the GPU, and every lane computes it).
+__device__ __forceinline__ int64_t shard_of(int64_t g, const QuantizeLayout& l) {
+  if (g <= INT32_MAX && l.chunks_per_shard() <= INT32_MAX) {
+    return static_cast<uint32_t>(g) / static_cast<uint32_t>(l.chunks_per_shard());
+  }
+  return g / l.chunks_per_shard();
+}
+
 // Lane `lane`'s i-th group of four starts at element 4 * (lane + 32 i) of the chunk: a warp's
 // accesses of one i are contiguous.
 __device__ __forceinline__ int64_t group_start(int lane, int i) { return 4 * (lane + kWarp * i); }
@@ -177,9 +187,10 @@ __device__ __forceinline__ void encode_lane(float (&v)[kMaxFours][4], int lane, 
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = group_start(lane, i);
     if (j >= chunk) break;
+    const uint64_t point = quant::stream_point(static_cast<uint64_t>(draws), first_index + j);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const float draw = draws < 0 ? 0.5f : quant::uniform(static_cast<uint64_t>(draws), first_index + j + k);
+      const float draw = draws < 0 ? 0.5f : quant::uniform_at(point + k * quant::kGolden);
       q[i][k] = quant::encode(v[i][k], inverse, draw, kKind);
     }
     quant::store_four_codes(codes, j, q[i], kKind);
@@ -192,7 +203,7 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
   const int64_t g = warp_chunk(l.ranks * l.chunks_per_shard());
   if (g < 0) return;  // the whole warp: chunks are whole warps
   const int lane = threadIdx.x % kWarp;
-  const int64_t s = g / l.chunks_per_shard(), c = g % l.chunks_per_shard();
+  const int64_t s = shard_of(g, l), c = g - s * l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
   float v[kMaxFours][4];
   float m = 0.0f;
@@ -263,7 +274,7 @@ __global__ void dequantize_warp_kernel(const uint8_t* __restrict__ packed, scala
   const int64_t g = warp_chunk(l.ranks * l.chunks_per_shard());
   if (g < 0) return;
   const int lane = threadIdx.x % kWarp;
-  const int64_t s = g / l.chunks_per_shard(), c = g % l.chunks_per_shard();
+  const int64_t s = shard_of(g, l), c = g - s * l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
   const uint8_t* codes = l.codes(const_cast<uint8_t*>(packed), s, c);
   const float scale = *l.scale(const_cast<uint8_t*>(packed), s, c);

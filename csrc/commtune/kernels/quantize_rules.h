@@ -13,6 +13,7 @@
 // fuse or approximate them.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define COMMTUNE_HD __host__ __device__ __forceinline__
@@ -62,9 +63,36 @@ COMMTUNE_HD uint64_t mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// A draw in [0, 1) with 24 random bits for element `index` of the stream `seed`.
-COMMTUNE_HD float uniform(uint64_t seed, uint64_t index) {
-  return static_cast<float>(mix(seed + (index + 1) * 0x9E3779B97F4A7C15ull) >> 40) * (1.0f / 16777216.0f);
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+// Where element `index` of the stream `seed` enters the mixer. Consecutive elements are kGolden
+// apart, so a kernel pays one 64-bit multiply per run of them (point + k * kGolden).
+COMMTUNE_HD uint64_t stream_point(uint64_t seed, uint64_t index) { return seed + (index + 1) * kGolden; }
+
+// A draw in [0, 1) with 24 random bits from a stream point.
+COMMTUNE_HD float uniform_at(uint64_t point) { return static_cast<float>(mix(point) >> 40) * (1.0f / 16777216.0f); }
+
+// The draw for element `index` of the stream `seed`.
+COMMTUNE_HD float uniform(uint64_t seed, uint64_t index) { return uniform_at(stream_point(seed, index)); }
+
+// 2^k for k in [-126, 127], built from its bits: scaling by it is exact and costs one multiply
+// (frexpf/ldexpf are calls on the GPU).
+COMMTUNE_HD float pow2(int k) {
+  const uint32_t bits = static_cast<uint32_t>(k + 127) << 23;
+  float value;
+  memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// A small integer (|n| < 2^22) as a float, exactly. On the GPU without the int-to-float unit
+// (a quarter of the adders' rate on Hopper): n + 2^23 + bias laid into a float's mantissa, less
+// the same constant.
+COMMTUNE_HD float small_int_to_float(uint32_t biased, uint32_t bias) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(__uint_as_float(0x4B000000u | biased), static_cast<float>(8388608u + bias));
+#else
+  return static_cast<float>(static_cast<int32_t>(biased) - static_cast<int32_t>(bias));
+#endif
 }
 
 COMMTUNE_HD float scale_of(float absmax, Codes codes) { return div(absmax, top_of(codes)); }
@@ -76,10 +104,12 @@ COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) 
 COMMTUNE_HD uint8_t encode_e4m3(float y, float draw) {
   const float a = fminf(fabsf(y), 448.0f);
   if (!(a > 0.0f)) return 0;
-  int exponent = 0;
-  frexpf(a, &exponent);  // a = m * 2^exponent, m in [0.5, 1)
-  int e = exponent - 1 < -6 ? -6 : exponent - 1;  // a in [2^e, 2^(e+1)), or subnormal
-  const float steps = ldexpf(a, 3 - e);  // a in steps of 2^(e-3): 8..16 (0..8 subnormal)
+  uint32_t bits;
+  memcpy(&bits, &a, sizeof bits);
+  // a in [2^e, 2^(e+1)) from its exponent field (an fp32 subnormal reads -127), or e4m3-subnormal.
+  int e = static_cast<int>(bits >> 23) - 127;
+  if (e < -6) e = -6;
+  const float steps = mul(a, pow2(3 - e));  // a in steps of 2^(e-3): 8..16 (0..8 subnormal); exact
   int q = static_cast<int>(floorf(add(steps, draw)));
   if (draw == 0.5f && q % 2 == 1 && add(steps, 0.5f) == static_cast<float>(q)) q -= 1;  // a tie: to even, as torch
   if (e == 8 && q > 14) q = 14;  // 448 = 14 * 2^5 is the largest finite e4m3fn
@@ -93,7 +123,8 @@ COMMTUNE_HD uint8_t encode_e4m3(float y, float draw) {
 
 COMMTUNE_HD float decode_e4m3(uint8_t code) {
   const int e = (code >> 3) & 15, m = code & 7;
-  const float magnitude = e == 0 ? ldexpf(static_cast<float>(m), -9) : ldexpf(static_cast<float>(8 + m), e - 10);
+  // Small integers times powers of two: exact.
+  const float magnitude = e == 0 ? mul(static_cast<float>(m), pow2(-9)) : mul(static_cast<float>(8 + m), pow2(e - 10));
   return code & 0x80 ? -magnitude : magnitude;
 }
 
@@ -106,7 +137,9 @@ COMMTUNE_HD int8_t encode(float x, float inverse_scale, float draw, Codes codes)
 }
 
 COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) {
-  const float value = codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(code)) : static_cast<float>(code);
+  // int8/int4 codes (|code| <= 127) biased by 128 into a byte.
+  const float value = codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(code))
+                                           : small_int_to_float(static_cast<uint8_t>(code) ^ 0x80u, 128u);
   return mul(value, scale);
 }
 
