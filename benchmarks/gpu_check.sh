@@ -2,7 +2,7 @@
 # One GPU: the CUDA tests and the figures the open issues ask for, in stages that each fit one
 # device call (under 10 minutes; the build, about a minute, runs when commtune._C is missing).
 # Run them back to back so the machine stays warm:
-#   bash benchmarks/gpu_check.sh tests      # build, CUDA tests, hook overhead (5 x 50 iterations)
+#   bash benchmarks/gpu_check.sh tests      # build, CUDA tests, hook overhead (5 x 50), compression kernels
 #   bash benchmarks/gpu_check.sh powersgd   # PowerSGD vs torch: ResNet-50 batch 256 and the encoder
 #   bash benchmarks/gpu_check.sh study      # scaling study's 1-GPU rows, optimizer overlap
 # Writes at most 8 files per stage to $OUT (or benchmarks/results/).
@@ -23,6 +23,8 @@ case "$stage" in
     # Issue 2's bars: >= 5 interleaved repetitions of >= 50 iterations, where the GPU sets the pace.
     timeout 300 python benchmarks/hook_overhead.py --batch 256 --reps 5 --iters 50 --warmup 10 \
       --out "$out/hook_overhead_b256.json" 2>&1 | grep -E "PASS|FAIL|  [0-9]+\.[0-9]+  "
+    # Issue 5's bar: every compression pass at >= 80% of the device copy's bandwidth.
+    timeout 90 python benchmarks/compression.py --out "$out/compression.json" 2>&1 | tail -22
     ;;
   powersgd)
     timeout 300 python benchmarks/powersgd.py --models resnet50 --batch 256 --reps 3 --iters 8 --warmup 5 \

@@ -107,7 +107,7 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* erro
 }
 
 __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
-                              float divisor, int64_t draws) {
+                              quant::Divisor divisor, int64_t draws) {
   extern __shared__ float values[];
   const int64_t c = blockIdx.x;
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
@@ -121,7 +121,7 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
       for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], quant::decode(q[k], scale, l.kind));
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) values[j + k] = quant::div(sum[k], divisor);
+    for (int k = 0; k < 4; ++k) values[j + k] = divisor.apply(sum[k]);
   }
   __syncthreads();
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
@@ -234,7 +234,7 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
 
 template <quant::Codes kKind>
 __global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
-                                   float divisor, int64_t draws) {
+                                   quant::Divisor divisor, int64_t draws) {
   const int64_t c = warp_chunk(l.chunks_per_shard());
   if (c < 0) return;
   const int lane = threadIdx.x % kWarp;
@@ -258,7 +258,7 @@ __global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t
   for (int i = 0; i < kMaxFours; ++i) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      v[i][k] = quant::div(v[i][k], divisor);
+      v[i][k] = divisor.apply(v[i][k]);
       m = fmaxf(m, fabsf(v[i][k]));  // groups past the chunk hold zeros
     }
   }
@@ -345,12 +345,12 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
   if (layout.chunk <= kWarpChunkLimit) {
     with_codes(layout.kind, [&](auto kind) {
       reduce_warp_kernel<decltype(kind)::value><<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
-          received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, static_cast<float>(divisor),
+          received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
           draws);
     });
   } else {
     reduce_kernel<<<layout.chunks_per_shard(), kThreads, chunk_bytes(layout), stream>>>(
-        received.mutable_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, static_cast<float>(divisor),
+        received.mutable_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
         draws);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

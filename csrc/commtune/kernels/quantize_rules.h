@@ -56,6 +56,22 @@ COMMTUNE_HD float div(float a, float b) {
 #endif
 }
 
+// Division by a per-kernel integer n (the ranks of a mean). When n is a power of two, a * (1/n)
+// is the same correctly rounded number as a / n, and a multiply is far cheaper than the GPU's
+// exact division; other n divide.
+struct Divisor {
+  float n = 1.0f;
+  float inverse = 1.0f;  // 1/n when n is a power of two, else 0
+
+  static Divisor of(int64_t n) {
+    Divisor d;
+    d.n = static_cast<float>(n);
+    d.inverse = n > 0 && (n & (n - 1)) == 0 ? 1.0f / static_cast<float>(n) : 0.0f;
+    return d;
+  }
+  COMMTUNE_HD float apply(float a) const { return inverse != 0.0f ? mul(a, inverse) : div(a, n); }
+};
+
 // splitmix64's finalizer: one 64-bit word from another, well mixed.
 COMMTUNE_HD uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

@@ -45,7 +45,7 @@ __global__ void sign_encode_kernel(const scalar_t* __restrict__ src, scalar_t* e
 
 template <typename scalar_t>
 __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, scalar_t* __restrict__ out,
-                                        int64_t ranks, SignLayout l) {
+                                        int64_t ranks, quant::Divisor divisor, SignLayout l) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= l.numel) return;
   // The element's chunk: one division per element, not per rank, in 32 bits when the bucket
@@ -59,7 +59,7 @@ __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, sc
     const float scale = reinterpret_cast<const float*>(bits + l.words())[chunk];
     sum = quant::add(sum, (bits[i / 32] >> (i % 32)) & 1u ? -scale : scale);
   }
-  out[i] = static_cast<scalar_t>(quant::div(sum, static_cast<float>(ranks)));
+  out[i] = static_cast<scalar_t>(divisor.apply(sum));
 }
 
 } // namespace
@@ -81,7 +81,8 @@ void sign_decode_mean_cuda_(const at::Tensor& gathered, const at::Tensor& out, i
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sign_decode_mean", [&] {
     sign_decode_mean_kernel<scalar_t>
         <<<(layout.numel + kThreads - 1) / kThreads, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            gathered.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), ranks, layout);
+            gathered.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), ranks, quant::Divisor::of(ranks),
+            layout);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
