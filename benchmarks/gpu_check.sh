@@ -33,9 +33,9 @@ case "$stage" in
       --out "$out/powersgd_encoder.json" 2>&1 | grep -E "PASS|FAIL| MB |Error"
     ;;
   study)
-    timeout 330 python benchmarks/resnet50_scaling.py --ranks 1 --predict-ranks 8 --iters 12 --warmup 6 \
+    timeout 320 python benchmarks/resnet50_scaling.py --ranks 1 --predict-ranks 8 --iters 12 --warmup 6 \
       --out "$out/resnet50_scaling_1gpu.json" 2>&1 | tail -25
-    timeout 240 python benchmarks/overlap.py --reps 5 --iters 15 --out "$out/overlap.json" 2>&1 | tail -12
+    timeout 200 python benchmarks/overlap.py --reps 4 --iters 15 --out "$out/overlap.json" 2>&1 | tail -12
     ;;
   *)
     echo "unknown stage: $stage (tests, powersgd or study)"; exit 2
