@@ -8,6 +8,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
+#include <optional>
 
 namespace commtune {
 
@@ -121,12 +122,13 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::launch(c10d::GradBucket& bucket, c
         }
         const c10::IValue& value = done.value();
         at::Tensor reduced = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
-        if (!finish) {
-          counters->close(ticket);
-          return reduced;
+        // The counters' end event goes on the stream that ran the last of the bucket's work.
+        std::optional<SideStreamScope> side;
+        at::Tensor result = reduced;
+        if (finish) {
+          side.emplace(reduced.device());
+          result = finish(reduced);
         }
-        SideStreamScope side(reduced.device());
-        at::Tensor result = finish(reduced);
         counters->close(ticket);
         return result;
       },

@@ -167,13 +167,9 @@ __device__ __forceinline__ int64_t warp_chunk(int64_t chunks) {
   return g < chunks ? g : -1;
 }
 
-// The shard of flat chunk g: a 32-bit division when the counts allow (a 64-bit one is a long
-// software routine on the GPU, and every lane computes it).
+// The shard of flat chunk g.
 __device__ __forceinline__ int64_t shard_of(int64_t g, const QuantizeLayout& l) {
-  if (g <= INT32_MAX && l.chunks_per_shard() <= INT32_MAX) {
-    return static_cast<uint32_t>(g) / static_cast<uint32_t>(l.chunks_per_shard());
-  }
-  return g / l.chunks_per_shard();
+  return quant::quotient(g, l.chunks_per_shard());
 }
 
 // Lane `lane`'s i-th group of four starts at element 4 * (lane + 32 i) of the chunk: a warp's

@@ -72,6 +72,13 @@ struct Divisor {
   COMMTUNE_HD float apply(float a) const { return inverse != 0.0f ? mul(a, inverse) : div(a, n); }
 };
 
+// a / b for non-negative a and positive b: in 32 bits when both fit (a 64-bit division is a long
+// software routine on the GPU, and kernels that index chunks compute one per lane or element).
+COMMTUNE_HD int64_t quotient(int64_t a, int64_t b) {
+  if (a <= INT32_MAX && b <= INT32_MAX) return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+  return a / b;
+}
+
 // splitmix64's finalizer: one 64-bit word from another, well mixed.
 COMMTUNE_HD uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

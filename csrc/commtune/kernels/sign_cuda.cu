@@ -48,11 +48,8 @@ __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, sc
                                         int64_t ranks, quant::Divisor divisor, SignLayout l) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= l.numel) return;
-  // The element's chunk: one division per element, not per rank, in 32 bits when the bucket
-  // allows (a 64-bit division is a long software routine on the GPU).
-  const int64_t chunk = l.numel <= static_cast<int64_t>(UINT32_MAX)
-                            ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(l.chunk))
-                            : i / l.chunk;
+  // The element's chunk: one division per element, not per rank.
+  const int64_t chunk = quant::quotient(i, l.chunk);
   float sum = 0.0f;
   for (int64_t r = 0; r < ranks; ++r) {
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(gathered + r * l.piece_bytes());
