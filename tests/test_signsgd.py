@@ -43,14 +43,15 @@ def test_encoding_packs_the_signs_and_keeps_the_error(device, numel):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decoding_averages_the_ranks_pieces(device):
-    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+@pytest.mark.parametrize("numel", [3000, 2999])  # 2999: a thread's last group of four is cut short
+def test_decoding_averages_the_ranks_pieces(device, numel):
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(3)]
     pieces = []
     for x in xs:
-        piece = torch.empty(_C.sign_piece_bytes(3000, CHUNK), dtype=torch.uint8, device=device)
+        piece = torch.empty(_C.sign_piece_bytes(numel, CHUNK), dtype=torch.uint8, device=device)
         _C.sign_encode_(x.to(device), None, piece, CHUNK)
         pieces.append(piece)
-    out = torch.empty(3000, device=device)
+    out = torch.empty(numel, device=device)
     _C.sign_decode_mean_(torch.cat(pieces), out, 3, CHUNK)
     expected = (encode(xs[0], CHUNK) + encode(xs[1], CHUNK) + encode(xs[2], CHUNK)) / 3
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=0)

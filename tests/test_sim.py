@@ -71,6 +71,9 @@ def test_backward_timeline_has_every_gradient_in_ready_order():
     assert times == sorted(times) and 0 <= times[0] and times[-1] <= t.backward_us
     assert t.gradients[0][0] in (10 * 4, 10 * 256 * 4)  # the last layer's gradients come first
     assert sorted(g[2] for g in t.gradients) == sorted(tuple(p.shape) for p in model.parameters())
+    assert t.forward_us > 0 and t.backward_us > 0
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        sim.measure_backward(model, torch.randn(32, 64), iters=0)
 
 
 def test_planner_picks_the_least_exposed_candidate():

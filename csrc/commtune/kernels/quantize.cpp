@@ -33,11 +33,7 @@ float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t
   const float scale = quant::scale_of(absmax, kind), inverse = quant::inverse(scale);
   for (int64_t j = 0; j < n; j += 4) {
     int8_t q[4];
-    const uint64_t point = quant::stream_point(static_cast<uint64_t>(draws), first_index + j);
-    for (int k = 0; k < 4; ++k) {
-      const float draw = draws < 0 ? 0.5f : quant::uniform_at(point + k * quant::kGolden);
-      q[k] = quant::encode(values[j + k], inverse, draw, kind);
-    }
+    quant::encode_four(values + j, first_index + j, draws, inverse, kind, q);
     quant::store_four_codes(codes, j, q, kind);
   }
   return scale;

@@ -69,14 +69,9 @@ __device__ __forceinline__ void store_four(scalar_t* __restrict__ dst, int64_t a
 }
 
 // Encodes four values of the chunk held in shared memory into one store of codes.
-__device__ __forceinline__ void encode_four(const float* values, int64_t j, uint64_t first_index, int64_t draws,
+__device__ __forceinline__ void encode_store_four(const float* values, int64_t j, uint64_t first_index, int64_t draws,
                                             float inverse, quant::Codes kind, uint8_t* codes, int8_t (&q)[4]) {
-  const uint64_t point = quant::stream_point(static_cast<uint64_t>(draws), first_index + j);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float draw = draws < 0 ? 0.5f : quant::uniform_at(point + k * quant::kGolden);
-    q[k] = quant::encode(values[j + k], inverse, draw, kind);
-  }
+  quant::encode_four(values + j, first_index + j, draws, inverse, kind, q);
   quant::store_four_codes(codes, j, q, kind);
 }
 
@@ -95,7 +90,7 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* erro
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
     int8_t q[4];
-    encode_four(values, j, first, draws, inverse, l.kind, codes, q);
+    encode_store_four(values, j, first, draws, inverse, l.kind, codes, q);
     if (error != nullptr) {
       float rest[4];
 #pragma unroll
@@ -127,7 +122,7 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
     int8_t q[4];
-    encode_four(values, j, c * l.chunk, draws, inverse, l.kind, l.codes(piece, 0, c), q);
+    encode_store_four(values, j, c * l.chunk, draws, inverse, l.kind, l.codes(piece, 0, c), q);
   }
   if (threadIdx.x == 0) *l.scale(piece, 0, c) = scale;
 }
@@ -176,20 +171,28 @@ __device__ __forceinline__ int64_t shard_of(int64_t g, const QuantizeLayout& l) 
 // accesses of one i are contiguous.
 __device__ __forceinline__ int64_t group_start(int lane, int i) { return 4 * (lane + kWarp * i); }
 
-template <quant::Codes kKind>
-__device__ __forceinline__ void encode_lane(float (&v)[kMaxFours][4], int lane, int64_t chunk, uint64_t first_index,
-                                            int64_t draws, float inverse, uint8_t* codes, int8_t (&q)[kMaxFours][4]) {
+// Encodes the lane's values into the chunk's codes and, with `error` defined, writes there what
+// the codes lose (elements first_index.. of it). Each group's error is written as soon as it is
+// encoded: codes kept for a second pass would hold 32 more registers and cost a third of the
+// warps an SM can keep in flight.
+template <quant::Codes kKind, typename scalar_t>
+__device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int lane, const QuantizeLayout& l,
+                                            uint64_t first_index, int64_t draws, float scale, uint8_t* codes,
+                                            scalar_t* error, bool vector) {
+  const float inverse = quant::inverse(scale);
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = group_start(lane, i);
-    if (j >= chunk) break;
-    const uint64_t point = quant::stream_point(static_cast<uint64_t>(draws), first_index + j);
+    if (j >= l.chunk) break;
+    int8_t q[4];
+    quant::encode_four(v[i], first_index + j, draws, inverse, kKind, q);
+    quant::store_four_codes(codes, j, q, kKind);
+    if (error != nullptr) {
+      float rest[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float draw = draws < 0 ? 0.5f : quant::uniform_at(point + k * quant::kGolden);
-      q[i][k] = quant::encode(v[i][k], inverse, draw, kKind);
+      for (int k = 0; k < 4; ++k) rest[k] = quant::add(v[i][k], -quant::decode(q[k], scale, kKind));
+      store_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, rest);
     }
-    quant::store_four_codes(codes, j, q[i], kKind);
   }
 }
 
@@ -211,20 +214,8 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
 #pragma unroll
     for (int k = 0; k < 4; ++k) m = fmaxf(m, fabsf(v[i][k]));
   }
-  const float scale = quant::scale_of(warp_absmax(m), kKind), inverse = quant::inverse(scale);
-  int8_t q[kMaxFours][4];
-  encode_lane<kKind>(v, lane, l.chunk, first, draws, inverse, l.codes(packed, s, c), q);
-  if (error != nullptr) {
-#pragma unroll
-    for (int i = 0; i < kMaxFours; ++i) {
-      const int64_t j = group_start(lane, i);
-      if (j >= l.chunk) break;
-      float rest[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) rest[k] = quant::add(v[i][k], -quant::decode(q[i][k], scale, kKind));
-      store_four(error, first + j, l.numel, vector, rest);
-    }
-  }
+  const float scale = quant::scale_of(warp_absmax(m), kKind);
+  encode_lane<kKind>(v, lane, l, first, draws, scale, l.codes(packed, s, c), error, vector);
   if (lane == 0) *l.scale(packed, s, c) = scale;
 }
 
@@ -258,9 +249,8 @@ __global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t
       m = fmaxf(m, fabsf(v[i][k]));  // groups past the chunk hold zeros
     }
   }
-  const float scale = quant::scale_of(warp_absmax(m), kKind), inverse = quant::inverse(scale);
-  int8_t q[kMaxFours][4];
-  encode_lane<kKind>(v, lane, l.chunk, c * l.chunk, draws, inverse, l.codes(piece, 0, c), q);
+  const float scale = quant::scale_of(warp_absmax(m), kKind);
+  encode_lane<kKind>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c), static_cast<float*>(nullptr), false);
   if (lane == 0) *l.scale(piece, 0, c) = scale;
 }
 

@@ -88,15 +88,28 @@ COMMTUNE_HD uint64_t mix(uint64_t z) {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 
-// Where element `index` of the stream `seed` enters the mixer. Consecutive elements are kGolden
-// apart, so a kernel pays one 64-bit multiply per run of them (point + k * kGolden).
-COMMTUNE_HD uint64_t stream_point(uint64_t seed, uint64_t index) { return seed + (index + 1) * kGolden; }
+// Where pair `pair` of the stream `seed` enters the mixer. Consecutive pairs are kGolden apart,
+// so a run of them costs one 64-bit multiply (point + k * kGolden).
+COMMTUNE_HD uint64_t stream_point(uint64_t seed, uint64_t pair) { return seed + (pair + 1) * kGolden; }
 
-// A draw in [0, 1) with 24 random bits from a stream point.
-COMMTUNE_HD float uniform_at(uint64_t point) { return static_cast<float>(mix(point) >> 40) * (1.0f / 16777216.0f); }
+// A draw in [0, 1) from 24 random bits.
+COMMTUNE_HD float uniform_of(uint64_t bits24) { return static_cast<float>(bits24) * (1.0f / 16777216.0f); }
 
-// The draw for element `index` of the stream `seed`.
-COMMTUNE_HD float uniform(uint64_t seed, uint64_t index) { return uniform_at(stream_point(seed, index)); }
+// The draws for elements index..index+3 of the stream `seed` (index a multiple of 4), or 0.5 each
+// (rounding to nearest) when seed < 0. Elements 2m and 2m+1 share pair m's mix, the top and the
+// bottom 24 of its bits: the mixing, most of a draw's cost, is paid once per two elements.
+COMMTUNE_HD void four_draws(int64_t seed, uint64_t index, float (&draw)[4]) {
+  if (seed < 0) {
+    for (int k = 0; k < 4; ++k) draw[k] = 0.5f;
+    return;
+  }
+  const uint64_t point = stream_point(static_cast<uint64_t>(seed), index / 2);
+  const uint64_t a = mix(point), b = mix(point + kGolden);
+  draw[0] = uniform_of(a >> 40);
+  draw[1] = uniform_of(a & 0xFFFFFFu);
+  draw[2] = uniform_of(b >> 40);
+  draw[3] = uniform_of(b & 0xFFFFFFu);
+}
 
 // 2^k for k in [-126, 127], built from its bits: scaling by it is exact and costs one multiply
 // (frexpf/ldexpf are calls on the GPU).
@@ -164,6 +177,14 @@ COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) {
   const float value = codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(code))
                                            : small_int_to_float(static_cast<uint8_t>(code) ^ 0x80u, 128u);
   return mul(value, scale);
+}
+
+// Values v[0..3], elements index..index+3 of a chunk (see four_draws), as codes.
+COMMTUNE_HD void encode_four(const float* v, uint64_t index, int64_t draws, float inverse_scale, Codes codes,
+                             int8_t (&q)[4]) {
+  float draw[4];
+  four_draws(draws, index, draw);
+  for (int k = 0; k < 4; ++k) q[k] = encode(v[k], inverse_scale, draw[k], codes);
 }
 
 // Codes j..j+3 of a chunk whose codes start at `codes` (j a multiple of 4): one 4- or 2-byte access.

@@ -43,20 +43,30 @@ __global__ void sign_encode_kernel(const scalar_t* __restrict__ src, scalar_t* e
   }
 }
 
+// Four consecutive elements per thread: they share a word and a chunk (chunks are whole words),
+// so each rank costs the thread one word and one scale. The piece's size and where its scales
+// start come in from the host (SignLayout computes them with 64-bit divisions).
 template <typename scalar_t>
 __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, scalar_t* __restrict__ out,
-                                        int64_t ranks, quant::Divisor divisor, SignLayout l) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= l.numel) return;
-  // The element's chunk: one division per element, not per rank.
-  const int64_t chunk = quant::quotient(i, l.chunk);
-  float sum = 0.0f;
+                                        int64_t ranks, quant::Divisor divisor, int64_t numel, int64_t chunk_elements,
+                                        int64_t piece_bytes, int64_t scales_at) {
+  const int64_t first = 4 * (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
+  if (first >= numel) return;
+  const int64_t chunk = quant::quotient(first, chunk_elements), word = first / 32;
+  const int shift = static_cast<int>(first % 32);
+  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8  // the ranks' loads are independent: let them be in flight together
   for (int64_t r = 0; r < ranks; ++r) {
-    const uint32_t* bits = reinterpret_cast<const uint32_t*>(gathered + r * l.piece_bytes());
-    const float scale = reinterpret_cast<const float*>(bits + l.words())[chunk];
-    sum = quant::add(sum, (bits[i / 32] >> (i % 32)) & 1u ? -scale : scale);
+    const uint8_t* piece = gathered + r * piece_bytes;
+    const uint32_t w = reinterpret_cast<const uint32_t*>(piece)[word] >> shift;
+    const float scale = reinterpret_cast<const float*>(piece + scales_at)[chunk];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], (w >> k) & 1u ? -scale : scale);
   }
-  out[i] = static_cast<scalar_t>(divisor.apply(sum));
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (first + k < numel) out[first + k] = static_cast<scalar_t>(divisor.apply(sum[k]));
+  }
 }
 
 } // namespace
@@ -76,10 +86,11 @@ void sign_decode_mean_cuda_(const at::Tensor& gathered, const at::Tensor& out, i
   if (layout.numel == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sign_decode_mean", [&] {
+    const int64_t threads = (layout.numel + 3) / 4;
     sign_decode_mean_kernel<scalar_t>
-        <<<(layout.numel + kThreads - 1) / kThreads, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        <<<(threads + kThreads - 1) / kThreads, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             gathered.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), ranks, quant::Divisor::of(ranks),
-            layout);
+            layout.numel, layout.chunk, layout.piece_bytes(), 4 * layout.words());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
