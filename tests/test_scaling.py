@@ -2,7 +2,10 @@
 configurations, the table and the JSON (with the simulator's prediction beside each row)."""
 import json
 
+import pytest
+
 from commtune.bench import scaling
+from commtune.sim import MB
 
 
 def test_cpu_scaling_study_writes_every_row(tmp_path, capsys):
@@ -10,16 +13,24 @@ def test_cpu_scaling_study_writes_every_row(tmp_path, capsys):
     rows = scaling.main(["--cpu", "--iters", "3", "--warmup", "1", "--out", str(out)])
     data = json.loads(out.read_text())
     assert [(r["config"], r["ranks"]) for r in data["rows"]] == [
-        ("default DDP (AllReduce)", 1), ("default DDP (AllReduce)", 2), ("bf16 on the wire", 2)]
+        ("default DDP (AllReduce)", 1), ("bf16 on the wire", 1), ("default DDP (AllReduce)", 2), ("bf16 on the wire", 2)]
     assert rows[0]["speedup"] == 1.0
     for r in data["rows"]:
         assert r["iteration_ms"] > 0 and r["samples_per_s"] > 0
         assert abs(r["efficiency"] - r["speedup"] / r["ranks"]) < 1e-12
         assert r["predicted"]["ranks"] == r["ranks"] and r["predicted"]["iteration_us"] > 0
-    two = data["rows"][1]
+    # The hook's GPU cost for the simulator: its one-rank row beyond the default's, per MB.
+    one = {r["config"]: r["iteration_ms"] for r in data["rows"] if r["ranks"] == 1}
+    total_mb = sum(g[0] for g in data["one_rank"]["timeline"]["gradients"]) / MB
+    cost = max(0.0, one["bf16 on the wire"] - one["default DDP (AllReduce)"]) * 1e3 / total_mb
+    for r in data["rows"]:
+        expected = cost if r["config"] == "bf16 on the wire" else 0.0
+        assert r["hook_us_per_mb"] == pytest.approx(expected)
+        assert r["predicted"]["hook_us"] == pytest.approx(expected * total_mb)
+    two = data["rows"][2]
     assert two["comm_ms"] > 0 and 0 <= two["exposed_comm_ms"] <= two["comm_ms"]  # from the counters
     printed = capsys.readouterr().out
-    assert "row 3/3 done" in printed and "predicted eff." in printed
+    assert "row 4/4 done" in printed and "predicted eff." in printed
 
     # Offline: the same study's timeline predicted at 64 ranks over 400 Gb/s.
     table = scaling.main(["--from", str(out), "--predict-ranks", "2", "64", "--link", "ib-400g"])

@@ -133,3 +133,18 @@ def test_powersgd_wire_bytes_follow_torchs_compression_rule():
     t = BackwardTimeline([(4 * 256, 0.0, (256,)), (4 * 256 * 256, 10.0, (256, 256))], backward_us=10.0)
     pred = sim.predict(t, link, 2, sim.Config("powersgd", powersgd_rank=4, first_bucket_mb=None))
     assert pred["exposed_us"] == pytest.approx(link.allreduce_us(4 * 256 + 4 * 512 * 4, 2))
+
+
+def test_a_hooks_gpu_work_delays_its_send_and_later_gradients():
+    link = Link("bw", alpha_us=0.0, busbw_GBps=1.0)
+    send = link.allreduce_us(MB, 2)
+    t = BackwardTimeline([(MB, 100.0), (MB, 1000.0)], backward_us=1000.0)
+    pred = replay(t, link, 2, bucket_cap_mb=1, first_bucket_mb=1, hook_us_per_mb=50.0)
+    # bucket 1: ready at 100, encoded until 150, sent until 150 + send; bucket 2: ready at 1000 + 50
+    # (bucket 1's work came first), encoded until 1100, sent after bucket 1's send
+    assert [b[1:] for b in pred.buckets] == pytest.approx([(100, 150, 150 + send), (1050, 150 + send, 150 + 2 * send)])
+    assert pred.hook_us == pytest.approx(100) and pred.exposed_us == pytest.approx(150 + 2 * send - 1100)
+    p = sim.predict(t, link, 2, sim.Config("coded", first_bucket_mb=1, hook_us_per_mb=50.0))
+    assert p["iteration_us"] == pytest.approx(150 + 2 * send)  # the last send's end
+    one = sim.predict(t, link, 1, sim.Config("coded", first_bucket_mb=1, hook_us_per_mb=50.0))
+    assert one["iteration_us"] == pytest.approx(1100) and one["speedup"] == pytest.approx(1000 / 1100)

@@ -5,7 +5,9 @@ backward timeline, and the bucket planner built on both.
 The timeline comes from one GPU (or CPU): when each parameter's gradient became ready during
 backward. Buckets fill in that order until they reach their cap (as DDP's rebuilt buckets do), a bucket
 is sent when its last gradient is ready and after the previous bucket's send, and whatever is
-still sending when backward ends is exposed.
+still sending when backward ends is exposed. A hook's own GPU work (encoding, decoding) runs when
+its bucket is ready, before the send, and shares the GPU with backward: it delays the send and
+every later gradient by its length.
 """
 import json
 import statistics
@@ -94,6 +96,7 @@ class Prediction:
     buckets: list = field(default_factory=list)  # (bytes, ready_us, start_us, end_us)
     comm_us: float = 0.0
     exposed_us: float = 0.0
+    hook_us: float = 0.0  # the hooks' GPU work, all buckets
 
 
 def powersgd_wire_bytes(nbytes, shape, rank, min_compression_rate=2.0):
@@ -111,10 +114,12 @@ def powersgd_wire_bytes(nbytes, shape, rank, min_compression_rate=2.0):
     return nbytes
 
 
-def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, wire_factor=1.0, powersgd_rank=0):
+def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, wire_factor=1.0, powersgd_rank=0,
+           hook_us_per_mb=0.0):
     """DDP's buckets on this timeline and their sends on this link (see the module's doc).
     `wire_factor`: bytes a hook puts on the wire per gradient byte (0.5 for a bf16 cast);
-    `powersgd_rank`: PowerSGD's rule instead (needs the gradients' shapes)."""
+    `powersgd_rank`: PowerSGD's rule instead (needs the gradients' shapes);
+    `hook_us_per_mb`: the hook's GPU time per MB of bucket."""
     first_cap = (first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb) * MB
     cap = bucket_cap_mb * MB
     buckets, size, wire, ready = [], 0, 0.0, 0.0
@@ -129,14 +134,18 @@ def replay(timeline, link, ranks, bucket_cap_mb, first_bucket_mb=None, wire_fact
     if size:
         buckets.append((size, wire, ready))
     pred = Prediction(bucket_cap_mb, first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb)
-    free = 0.0
+    free = delay = 0.0
     for nbytes, wire, at in buckets:
-        start = max(at, free)
+        at += delay  # the GPU work of earlier buckets' hooks came first
+        work = hook_us_per_mb * nbytes / MB
+        delay += work
+        start = max(at + work, free)
         cost = link.allreduce_us(wire, ranks)
         free = start + cost
         pred.buckets.append((nbytes, at, start, free))
         pred.comm_us += cost
-    pred.exposed_us = max(0.0, free - timeline.backward_us)
+    pred.hook_us = delay
+    pred.exposed_us = max(0.0, free - (timeline.backward_us + delay))
     return pred
 
 
@@ -249,27 +258,29 @@ class Config:
     link_scale: float = 1.0  # the link's bandwidth times this (an NCCL setting's measured gain)
     accumulation: int = 1  # micro-steps per communicating step
     overlap_optimizer: bool = False
+    hook_us_per_mb: float = 0.0  # the hook's GPU work (encode + decode) per MB of bucket
 
 
 def predict(timeline, link, ranks, config, optimizer_us=0.0):
     """Iteration time on `ranks` ranks from one rank's measured timeline (weak scaling: the same
     batch per rank). An iteration is `accumulation` micro-steps of forward + backward, the
-    communication left exposed after the last backward, and the optimizer step (with
-    `overlap_optimizer`, only the share of the last bucket's parameters stays exposed).
+    communication left exposed after the last backward, the hook's GPU work (it shares the GPU
+    with backward), and the optimizer step (with `overlap_optimizer`, only the share of the last
+    bucket's parameters stays exposed).
     Speedup is throughput against one rank running forward, backward and the step alone."""
     link = link_of(link)
     if config.link_scale != 1.0:
         link = Link(link.name, link.alpha_us, link.busbw_GBps * config.link_scale)
     pred = replay(timeline, link, ranks, config.bucket_cap_mb, config.first_bucket_mb, wire_factor=config.wire_factor,
-                  powersgd_rank=config.powersgd_rank)
+                  powersgd_rank=config.powersgd_rank, hook_us_per_mb=config.hook_us_per_mb)
     compute = timeline.forward_us + timeline.backward_us
     step = optimizer_us
     if config.overlap_optimizer and pred.buckets:
         total = sum(b[0] for b in pred.buckets)
         step = optimizer_us * pred.buckets[-1][0] / total
-    iteration = config.accumulation * compute + pred.exposed_us + step
+    iteration = config.accumulation * compute + pred.hook_us + pred.exposed_us + step
     single = compute + optimizer_us
     speedup = ranks * config.accumulation * single / iteration
     return {"config": config.name, "ranks": ranks, "iteration_us": iteration, "exposed_us": pred.exposed_us,
-            "comm_us": pred.comm_us, "buckets": len(pred.buckets), "speedup": speedup,
+            "comm_us": pred.comm_us, "hook_us": pred.hook_us, "buckets": len(pred.buckets), "speedup": speedup,
             "efficiency": speedup / ranks}

@@ -9,6 +9,7 @@ simulator's prediction beside it (from one rank's measured backward and a link m
     python benchmarks/resnet50_scaling.py --from results.json --predict-ranks 64 --link ib-400g
 """
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ CONFIGS = {
     "accumulate 4": (["--accumulate", "4"], sim.Config("accumulate", accumulation=4)),
 }
 CPU_CONFIGS = ["default DDP (AllReduce)", "bf16 on the wire"]
+DEFAULT = "default DDP (AllReduce)"
 # This machine's gloo allreduce on 2 ranks, fitted by benchmarks/plan_buckets.py (plan_buckets.json).
 CPU_LINK = sim.Link("gloo, 2 CPU ranks (fitted)", alpha_us=231.0, busbw_GBps=1.12)
 
@@ -92,6 +94,25 @@ def one_rank_timeline(model_name, batch, device):
     return timeline, (time.perf_counter() - started) / 5 * 1e6
 
 
+def hook_cost_per_mb(rows, name, timeline):
+    """A hook's GPU time per MB of bucket, for the simulator: what the configuration's one-rank row
+    took beyond the default's (at one rank a hook's work has nothing to hide behind), over the
+    model's gradient bytes. None without both one-rank rows or for a configuration without a hook.
+    Run-to-run spread enters it whole: at batch 128 on a host-bound machine, +-1-2 ms."""
+    if "--hook" not in CONFIGS.get(name, ([], None))[0]:
+        return None
+    one = {r["config"]: r["iteration_ms"] for r in rows if r["ranks"] == 1}
+    if name not in one or DEFAULT not in one:
+        return None
+    total_mb = sum(g[0] for g in timeline.gradients) / sim.MB
+    return max(0.0, one[name] - one[DEFAULT]) * 1e3 / total_mb
+
+
+def view_with_costs(view, rows, name, timeline):
+    cost = hook_cost_per_mb(rows, name, timeline)
+    return view if cost is None else dataclasses.replace(view, hook_us_per_mb=cost)
+
+
 def predict_from(path, ranks, link):
     """Every configuration predicted at these rank counts from a saved study's one-rank timeline:
     "what if 64 GPUs over 400 Gb/s?" without running anything."""
@@ -102,6 +123,7 @@ def predict_from(path, ranks, link):
     step_us = data["one_rank"]["optimizer_us"]
     table = []
     for name, (_, view) in CONFIGS.items():
+        view = view_with_costs(view, data.get("rows", []), name, timeline)
         for n in ranks:
             p = sim.predict(timeline, link, n, view, optimizer_us=step_us) if view else None
             table.append([name, str(n), f"{p['iteration_us'] / 1e3:.1f}" if p else "-",
@@ -147,7 +169,9 @@ def main(argv=None):
         # The simulator cannot know what a NCCL setting gains: it predicts the default's time.
         configs_here["auto-tuned (NCCL profile)"] = (["--nccl-profile", args.tuned_profile], sim.Config("tuned"))
         configs = configs + ["auto-tuned (NCCL profile)"]
-    runs = [(1, "default DDP (AllReduce)")]
+    # One rank first: the default (the speedups' base), and every hooked configuration, whose
+    # one-rank time gives the simulator its hook's GPU cost.
+    runs = [(1, DEFAULT)] + [(1, c) for c in configs if "--hook" in configs_here[c][0] and c != DEFAULT]
     runs += [(n, c) for n in ranks for c in configs if (n, c) not in runs]
     rows, started = [], time.monotonic()
     payload = {"benchmark": "resnet50_scaling", "environment": environment(), "args": vars(args), "model": model,
@@ -160,6 +184,8 @@ def main(argv=None):
         figures = run_example(n, flags, common, args.timeout)
         figures["config"] = name
         if view is not None:
+            view = view_with_costs(view, rows + [figures], name, timeline)
+            figures["hook_us_per_mb"] = view.hook_us_per_mb
             figures["predicted"] = sim.predict(timeline, link, n, view, optimizer_us=step_us)
             figures["predicted_at"] = {str(m): sim.predict(timeline, link, m, view, optimizer_us=step_us)
                                        for m in args.predict_ranks}
