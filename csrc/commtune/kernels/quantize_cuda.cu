@@ -69,8 +69,9 @@ __device__ __forceinline__ void store_four(scalar_t* __restrict__ dst, int64_t a
 }
 
 // Encodes four values of the chunk held in shared memory into one store of codes.
-__device__ __forceinline__ void encode_store_four(const float* values, int64_t j, uint64_t first_index, int64_t draws,
-                                            float inverse, quant::Codes kind, uint8_t* codes, int8_t (&q)[4]) {
+__device__ __forceinline__ void encode_store_four(const float* values, int64_t j, uint64_t first_index,
+                                                  int64_t draws, float inverse, quant::Codes kind, uint8_t* codes,
+                                                  int8_t (&q)[4]) {
   quant::encode_four(values + j, first_index + j, draws, inverse, kind, q);
   quant::store_four_codes(codes, j, q, kind);
 }

@@ -2,7 +2,7 @@
 // The arithmetic of the quantized codes, shared by the CPU loops and the CUDA kernels so both
 // give the same bits. Every chunk is scaled by its absmax onto the codes' range, then rounded
 // down after adding a uniform draw (unbiased; a draw of 0.5 rounds to nearest, ties away from
-// zero); draws come from a counter-based hash of (seed, element index).
+// zero); draws come from a counter-based hash of (seed, element index), one hash per pair.
 //   int8: integers in [-127, 127] (0 is exact).
 //   int4: integers in [-7, 7], two per byte (the even element in the low half), stored plus 8.
 //   e4m3: fp8 bytes in the e4m3fn layout torch calls float8_e4m3fn (|value| <= 448), rounded
