@@ -5,11 +5,12 @@
 #   bash benchmarks/gpu_check.sh tests      # build, CUDA tests, hook overhead (5 x 50), compression kernels
 #   bash benchmarks/gpu_check.sh powersgd   # PowerSGD vs torch: ResNet-50 batch 256 and the encoder
 #   bash benchmarks/gpu_check.sh study      # scaling study's 1-GPU rows, optimizer overlap
+#   bash benchmarks/gpu_check.sh profile    # Nsight Compute on the compression kernels below the bar
 # Writes at most 8 files per stage to $OUT (or benchmarks/results/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
-stage=${1:?usage: gpu_check.sh tests|powersgd|study}
+stage=${1:?usage: gpu_check.sh tests|powersgd|study|profile}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if ! python -c "import commtune._C" 2>/dev/null; then
@@ -37,7 +38,19 @@ case "$stage" in
       --out "$out/resnet50_scaling_1gpu.json" 2>&1 | tail -25
     timeout 200 python benchmarks/overlap.py --reps 4 --iters 15 --out "$out/overlap.json" 2>&1 | tail -12
     ;;
+  profile)
+    # What bounds the passes under 80% of copy bandwidth: every launch of their kernels in one
+    # timing of each pass (4 launches, 3 of them warm-up), with the sections that say whether
+    # memory, issue or latency sets the pace.
+    if ! command -v ncu > /dev/null; then echo "ncu (Nsight Compute) is not installed here"; exit 1; fi
+    timeout 400 ncu --kernel-name "regex:reduce_warp_kernel|quantize_warp_kernel|sign_encode_kernel|sign_decode_mean_kernel" \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section LaunchStats --section MemoryWorkloadAnalysis \
+      python benchmarks/compression.py --iters 1 --out "$out/compression_profiled.json" > "$out/ncu_compression.txt" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per" \
+      "$out/ncu_compression.txt" | head -80
+    ;;
   *)
-    echo "unknown stage: $stage (tests, powersgd or study)"; exit 2
+    echo "unknown stage: $stage (tests, powersgd, study or profile)"; exit 2
     ;;
 esac
