@@ -94,12 +94,17 @@ def one_rank_timeline(model_name, batch, device):
     return timeline, (time.perf_counter() - started) / 5 * 1e6
 
 
+def hooked(name):
+    """Whether the configuration runs a communication hook (a cost of its own on the GPU)."""
+    return "--hook" in CONFIGS.get(name, ([], None))[0]
+
+
 def hook_cost_per_mb(rows, name, timeline):
     """A hook's GPU time per MB of bucket, for the simulator: what the configuration's one-rank row
     took beyond the default's (at one rank a hook's work has nothing to hide behind), over the
     model's gradient bytes. None without both one-rank rows or for a configuration without a hook.
     Run-to-run spread enters it whole: at batch 128 on a host-bound machine, +-1-2 ms."""
-    if "--hook" not in CONFIGS.get(name, ([], None))[0]:
+    if not hooked(name):
         return None
     one = {r["config"]: r["iteration_ms"] for r in rows if r["ranks"] == 1}
     if name not in one or DEFAULT not in one:
@@ -171,7 +176,7 @@ def main(argv=None):
         configs = configs + ["auto-tuned (NCCL profile)"]
     # One rank first: the default (the speedups' base), and every hooked configuration, whose
     # one-rank time gives the simulator its hook's GPU cost.
-    runs = [(1, DEFAULT)] + [(1, c) for c in configs if "--hook" in configs_here[c][0] and c != DEFAULT]
+    runs = [(1, DEFAULT)] + [(1, c) for c in configs if hooked(c) and c != DEFAULT]
     runs += [(n, c) for n in ranks for c in configs if (n, c) not in runs]
     rows, started = [], time.monotonic()
     payload = {"benchmark": "resnet50_scaling", "environment": environment(), "args": vars(args), "model": model,
