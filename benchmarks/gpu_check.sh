@@ -5,12 +5,13 @@
 #   bash benchmarks/gpu_check.sh tests      # build, CUDA tests, hook overhead (5 x 50), compression kernels
 #   bash benchmarks/gpu_check.sh powersgd   # PowerSGD vs torch: ResNet-50 batch 256 and the encoder
 #   bash benchmarks/gpu_check.sh study      # scaling study's 1-GPU rows, optimizer overlap
+#   bash benchmarks/gpu_check.sh compression  # build, CUDA tests, compression kernels (no hook overhead)
 #   bash benchmarks/gpu_check.sh profile    # Nsight Compute on the compression kernels below the bar
 # Writes at most 8 files per stage to $OUT (or benchmarks/results/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
-stage=${1:?usage: gpu_check.sh tests|powersgd|study|profile}
+stage=${1:?usage: gpu_check.sh tests|powersgd|study|compression|profile}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if ! python -c "import commtune._C" 2>/dev/null; then
@@ -26,6 +27,11 @@ case "$stage" in
       --out "$out/hook_overhead_b256.json" 2>&1 | grep -E "PASS|FAIL|  [0-9]+\.[0-9]+  "
     # Issue 5's bar: every compression pass at >= 80% of the device copy's bandwidth.
     timeout 90 python benchmarks/compression.py --out "$out/compression.json" 2>&1 | tail -22
+    ;;
+  compression)
+    timeout 330 python -m pytest -q -rs -m needs_cuda tests > "$out/pytest_cuda.log" 2>&1
+    tail -3 "$out/pytest_cuda.log"; grep -E "^(FAILED|ERROR)" "$out/pytest_cuda.log" | head -20
+    timeout 120 python benchmarks/compression.py --out "$out/compression.json" 2>&1 | tail -26
     ;;
   powersgd)
     timeout 300 python benchmarks/powersgd.py --models resnet50 --batch 256 --reps 3 --iters 8 --warmup 5 \
@@ -43,7 +49,7 @@ case "$stage" in
     # timing of each pass (4 launches, 3 of them warm-up), with the sections that say whether
     # memory, issue or latency sets the pace.
     if ! command -v ncu > /dev/null; then echo "ncu (Nsight Compute) is not installed here"; exit 1; fi
-    timeout 400 ncu --kernel-name "regex:reduce_warp_kernel|quantize_warp_kernel|sign_encode_kernel|sign_decode_mean_kernel" \
+    timeout 400 ncu --clock-control none --kernel-name "regex:reduce_warp_kernel|quantize_warp_kernel|sign_encode_warp_kernel|sign_decode_mean_kernel|sample_threshold_kernel|DeviceSelect" \
       --section SpeedOfLight --section Occupancy --section WarpStateStats \
       --section LaunchStats --section MemoryWorkloadAnalysis \
       python benchmarks/compression.py --iters 1 --out "$out/compression_profiled.json" > "$out/ncu_compression.txt" 2>&1
@@ -51,6 +57,6 @@ case "$stage" in
       "$out/ncu_compression.txt" | head -80
     ;;
   *)
-    echo "unknown stage: $stage (tests, powersgd, study or profile)"; exit 2
+    echo "unknown stage: $stage (tests, powersgd, study, compression or profile)"; exit 2
     ;;
 esac

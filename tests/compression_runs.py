@@ -18,6 +18,7 @@ def make_hook(name):
         "QuantizeE4M3-nearest": lambda: ct.hooks.Quantize(format="e4m3", chunk=CHUNK, stochastic=False, min_size=0),
         "SignSGD": lambda: ct.hooks.SignSGD(chunk=CHUNK, min_size=0),
         "TopK": lambda: ct.hooks.TopK(ratio=RATIO, min_size=0),
+        "TopK-threshold": lambda: ct.hooks.TopK(ratio=RATIO, min_size=0, selection="threshold"),
         "RandomK": lambda: ct.hooks.RandomK(ratio=RATIO, min_size=0),
         "RandomK-no-feedback": lambda: ct.hooks.RandomK(ratio=RATIO, error_feedback=False, min_size=0),
     }[name]()

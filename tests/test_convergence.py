@@ -26,6 +26,7 @@ def train(rank, world_size, hook_name):
              "Quantize(4 bits)": ct.hooks.Quantize(bits=4, min_size=0, chunk=256),
              "Quantize(e4m3)": ct.hooks.Quantize(format="e4m3", min_size=0, chunk=256),
              "SignSGD": ct.hooks.SignSGD(min_size=0, chunk=256), "TopK": ct.hooks.TopK(ratio=0.05, min_size=0),
+             "TopK(threshold)": ct.hooks.TopK(ratio=0.05, min_size=0, selection="threshold"),
              "RandomK": ct.hooks.RandomK(ratio=0.05, min_size=0)}
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
@@ -61,7 +62,7 @@ RANDOMK_SHORT = pytest.mark.xfail(strict=True, reason="RandomK(0.05) reaches 52.
 
 
 @pytest.mark.parametrize("compressor", ["Quantize", "Quantize(4 bits)", "Quantize(e4m3)",
-                                        pytest.param("SignSGD", marks=SIGN_SHORT), "TopK",
+                                        pytest.param("SignSGD", marks=SIGN_SHORT), "TopK", "TopK(threshold)",
                                         pytest.param("RandomK", marks=RANDOMK_SHORT)])
 def test_compressed_training_with_error_feedback_matches_uncompressed(compressor, record_property):
     base, ours = accuracy("none"), accuracy(compressor)

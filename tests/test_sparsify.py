@@ -18,16 +18,22 @@ def run(world_size, hook):
     return distributed.run(compression_runs.hook_run, world_size, STEPS, hook)
 
 
-def simulate_topk(steps_locals, world):
+def exact_top_k(x):
+    """TopK's exact selection: (values sent, their indices, the entries taken out of x)."""
+    idx = x.abs().topk(K, sorted=False).indices
+    return x[idx], idx, idx
+
+
+def simulate_topk(steps_locals, world, select=exact_top_k):
     errors = [torch.zeros(NUMEL) for _ in range(world)]
     out = []
     for grads in steps_locals:
         total = torch.zeros(NUMEL)
         for r in range(world):
             x = errors[r] + grads[r]
-            idx = x.abs().topk(K, sorted=False).indices
-            total.index_add_(0, idx, x[idx])
-            errors[r] = x.index_fill(0, idx, 0)
+            values, indices, taken = select(x)
+            total.index_add_(0, indices, values)
+            errors[r] = x.index_fill(0, taken, 0)
         out.append(total / world)
     return out
 

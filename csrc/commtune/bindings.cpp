@@ -18,6 +18,7 @@
 #include <commtune/kernels/orthogonalize.h>
 #include <commtune/kernels/quantize.h>
 #include <commtune/kernels/sign.h>
+#include <commtune/kernels/top_k.h>
 
 namespace py = pybind11;
 using namespace commtune;
@@ -184,7 +185,15 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_readwrite("ratio", &TopKOptions::ratio)
       .def_readwrite("error_feedback", &TopKOptions::error_feedback)
-      .def_readwrite("min_size", &TopKOptions::min_size);
+      .def_readwrite("min_size", &TopKOptions::min_size)
+      .def_property(
+          "selection",
+          [](const TopKOptions& o) { return o.selection == TopKHook::Selection::exact ? "exact" : "threshold"; },
+          [](TopKOptions& o, const std::string& name) {
+            TORCH_CHECK(name == "exact" || name == "threshold",
+                        "commtune.TopK: selection must be 'exact' or 'threshold', got '", name, "'");
+            o.selection = name == "exact" ? TopKHook::Selection::exact : TopKHook::Selection::threshold;
+          });
   def_make<TopKHook>(m, "make_topk");
   using RandomKOptions = RandomKHook::Options;
   py::class_<RandomKOptions>(m, "RandomKOptions")
@@ -208,6 +217,12 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("gathered"), py::arg("out"), py::arg("ranks"), py::arg("chunk"));
   // The quantized allreduce's passes on their own (kernel tests and benchmarks); see quantize.h.
+  m.def("threshold_top_k_", &threshold_top_k_, py::arg("x"), py::arg("k"), py::arg("piece"), py::arg("qualifying"),
+        py::arg("clear"), "TopK's threshold selection (see kernels/top_k.h); returns nothing, fills piece and qualifying");
+  m.def("top_k_sample", [](int64_t numel, int64_t k) {
+    const TopKSample s = TopKSample::of(numel, k);
+    return py::make_tuple(s.size, s.stride, s.want);
+  }, py::arg("numel"), py::arg("k"), "(sample size, stride between sampled entries, rank of the threshold in it)");
   m.def("quantize_layout", [](int64_t numel, int64_t ranks, int64_t chunk, const std::string& codes) {
     const QuantizeLayout l = QuantizeLayout::of(numel, ranks, chunk, codes_named(codes));
     return py::make_tuple(l.shard, l.piece_bytes());

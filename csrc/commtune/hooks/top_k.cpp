@@ -1,5 +1,9 @@
 #include <commtune/hooks/top_k.h>
 
+#include <commtune/kernels/top_k.h>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <cmath>
 
 namespace commtune {
@@ -8,6 +12,38 @@ TopKHook::TopKHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const O
     : ErrorFeedbackHook(std::move(process_group), "TopK"), options_(options) {
   check_ratio(options_.ratio);
   check_min_size(options_.min_size);
+}
+
+// One int32 piece per rank: the values as float32 bits, then the indices. With error feedback
+// the picked entries of x are sent in full, so they leave the error buffer.
+at::Tensor TopKHook::pick(const at::Tensor& x, int64_t k) {
+  at::Tensor piece = at::empty({2 * k}, x.options().dtype(at::kInt));
+  if (options_.selection == Selection::threshold) {
+    at::Tensor qualifying = at::empty({1}, x.options().dtype(at::kLong));
+    threshold_top_k_(x, k, piece, qualifying, options_.error_feedback);
+    std::lock_guard<std::mutex> lock(qualifying_mutex_);
+    if (!qualifying_total_.defined()) qualifying_total_ = at::zeros({1}, qualifying.options());
+    qualifying_total_.add_(qualifying);
+    wanted_total_ += k;
+    return piece;
+  }
+  const at::Tensor indices = std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false));
+  piece.narrow(0, 0, k).view(at::kFloat).copy_(x.index_select(0, indices));
+  piece.narrow(0, k, k).copy_(indices);
+  if (options_.error_feedback) x.index_fill_(0, indices, 0);
+  return piece;
+}
+
+std::map<std::string, double> TopKHook::extra_stats() {
+  std::lock_guard<std::mutex> lock(qualifying_mutex_);
+  if (!qualifying_total_.defined() || wanted_total_ == 0) return {};
+  // The sum was added on whatever stream was current: wait for the whole device, then read.
+  if (!qualifying_total_.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(qualifying_total_.device().type());
+    impl.synchronizeDevice(qualifying_total_.device().index());
+  }
+  const double qualifying = static_cast<double>(qualifying_total_.cpu().item<int64_t>());
+  return {{"topk_qualifying_per_k", qualifying / static_cast<double>(wanted_total_)}};
 }
 
 Hook::Launch TopKHook::communicate(c10d::GradBucket& bucket) {
@@ -19,20 +55,14 @@ Hook::Launch TopKHook::communicate(c10d::GradBucket& bucket) {
               " elements is too large for int32 indices; lower bucket_cap_mb");
   const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(options_.ratio * buffer.numel())));
   const at::Tensor x = options_.error_feedback ? add_to_error(bucket) : buffer;
-  const at::Tensor indices = std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false));
-  // One int32 piece per rank: the values as float32 bits, then the indices.
-  at::Tensor piece = at::empty({2 * k}, buffer.options().dtype(at::kInt));
-  piece.narrow(0, 0, k).view(at::kFloat).copy_(x.index_select(0, indices));
-  piece.narrow(0, k, k).copy_(indices);
-  if (options_.error_feedback) {
-    x.index_fill_(0, indices, 0);  // sent in full
-  }
+  at::Tensor piece = pick(x, k);
   const int64_t n = world_size();
   at::Tensor gathered = at::empty({n * 2 * k}, piece.options());
   auto future = process_group()->_allgather_base(gathered, piece)->getFuture();
   auto finish = [buffer, gathered, n, k](const at::Tensor&) mutable {
     at::Tensor sum = at::zeros({buffer.numel()}, buffer.options().dtype(at::kFloat));
-    for (int64_t r = 0; r < n; ++r) {  // one rank at a time: no index repeats within a call, a fixed order
+    // One rank at a time, in a fixed order: within a rank's piece only unused slots (0 at index 0) repeat.
+    for (int64_t r = 0; r < n; ++r) {
       const at::Tensor part = gathered.narrow(0, r * 2 * k, 2 * k);
       sum.index_add_(0, part.narrow(0, k, k).to(at::kLong), part.narrow(0, 0, k).view(at::kFloat));
     }

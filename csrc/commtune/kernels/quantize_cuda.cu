@@ -5,15 +5,17 @@
 // Larger chunks take one block each, staged in shared memory. The kinds of codes are template
 // arguments, so the per-element rules compile without branches.
 #include <commtune/kernels/quantize.h>
+#include <commtune/kernels/four.cuh>
 #include <commtune/kernels/quantize_rules.h>
 
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
-#include <initializer_list>
+#include <cstring>
 #include <type_traits>
 
 namespace commtune {
@@ -35,45 +37,23 @@ __device__ float block_absmax(const float* values, int64_t n) {
   return total;
 }
 
-// Four consecutive elements, loaded and stored as one access.
-template <typename T>
-struct alignas(sizeof(T) * 4) Four {
-  T v[4];
-};
-
-// values[j..j+3] = src[at..at+3] (zeros past numel), one vector load where all four exist.
-template <typename scalar_t>
-__device__ __forceinline__ void load_four(const scalar_t* __restrict__ src, int64_t at, int64_t numel, bool vector,
-                                          float* values) {
-  if (vector && at + 3 < numel) {
-    const Four<scalar_t> x = *reinterpret_cast<const Four<scalar_t>*>(src + at);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) values[k] = static_cast<float>(x.v[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) values[k] = at + k < numel ? static_cast<float>(src[at + k]) : 0.0f;
-  }
-}
-
-template <typename scalar_t>
-__device__ __forceinline__ void store_four(scalar_t* __restrict__ dst, int64_t at, int64_t numel, bool vector,
-                                           const float* values) {
-  if (vector && at + 3 < numel) {
-    Four<scalar_t> x;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) x.v[k] = static_cast<scalar_t>(values[k]);
-    *reinterpret_cast<Four<scalar_t>*>(dst + at) = x;
-  } else {
-    for (int k = 0; k < 4 && at + k < numel; ++k) dst[at + k] = static_cast<scalar_t>(values[k]);
-  }
-}
-
 // Encodes four values of the chunk held in shared memory into one store of codes.
 __device__ __forceinline__ void encode_store_four(const float* values, int64_t j, uint64_t first_index,
                                                   int64_t draws, float inverse, quant::Codes kind, uint8_t* codes,
                                                   int8_t (&q)[4]) {
   quant::encode_four(values + j, first_index + j, draws, inverse, kind, q);
   quant::store_four_codes(codes, j, q, kind);
+}
+
+// error[at..at+3] = what codes q lose of values[0..3] (before numel).
+template <typename scalar_t>
+__device__ __forceinline__ void store_error_four(scalar_t* error, int64_t at, int64_t numel, bool vector,
+                                                 const float* values, const int8_t (&q)[4], float scale,
+                                                 quant::Codes kind) {
+  float rest[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[k], -quant::decode(q[k], scale, kind));
+  four::store(error, at, numel, vector, rest);
 }
 
 // ---- one block per chunk (chunk > 1024) -----------------------------------------------------
@@ -85,19 +65,14 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* erro
   extern __shared__ float values[];
   const int64_t s = blockIdx.x / l.chunks_per_shard(), c = blockIdx.x % l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
-  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) load_four(src, first + j, l.numel, vector, values + j);
+  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) four::load(src, first + j, l.numel, vector, values + j);
   __syncthreads();
   uint8_t* codes = l.codes(packed, s, c);
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
     int8_t q[4];
     encode_store_four(values, j, first, draws, inverse, l.kind, codes, q);
-    if (error != nullptr) {
-      float rest[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[j + k], -quant::decode(q[k], scale, l.kind));
-      store_four(error, first + j, l.numel, vector, rest);
-    }
+    if (error != nullptr) store_error_four(error, first + j, l.numel, vector, values + j, q, scale, l.kind);
   }
   if (threadIdx.x == 0) *l.scale(packed, s, c) = scale;
 }
@@ -141,7 +116,7 @@ __global__ void dequantize_kernel(uint8_t* __restrict__ packed, scalar_t* __rest
     float values[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[k], scale, l.kind);
-    store_four(out, first + j, l.numel, vector, values);
+    four::store(out, first + j, l.numel, vector, values);
   }
 }
 
@@ -170,29 +145,41 @@ __device__ __forceinline__ int64_t shard_of(int64_t g, const QuantizeLayout& l) 
 
 // Lane `lane`'s i-th group of four starts at element 4 * (lane + 32 i) of the chunk: a warp's
 // accesses of one i are contiguous.
-__device__ __forceinline__ int64_t group_start(int lane, int i) { return 4 * (lane + kWarp * i); }
+struct FloatGroups {
+  __device__ static int64_t start(int lane, int i) { return 4 * (lane + kWarp * i); }
+};
 
-// Encodes the lane's values into the chunk's codes and, with `error` defined, writes there what
-// the codes lose (elements first_index.. of it). Each group's error is written as soon as it is
-// encoded: codes kept for a second pass would hold 32 more registers and cost a third of the
-// warps an SM can keep in flight.
-template <quant::Codes kKind, typename scalar_t>
+// The reduce pass reads codes as 32-bit words: a lane's word t is the chunk's word lane + 32 t,
+// four 8-bit codes (its group t, as FloatGroups) or eight 4-bit ones (its groups 2t and 2t + 1).
+template <quant::Codes kKind>
+struct CodeWords {
+  static constexpr int kGroups = 8 / quant::bits_of(kKind);  // groups of four codes in a word
+  static constexpr int kPerLane = kMaxFours / kGroups;
+  // Decodes as zero: words past the chunk add nothing to the sums or the absmax.
+  static constexpr uint32_t kZero = kKind == quant::Codes::int4 ? 0x88888888u : 0u;
+  __device__ static int64_t start(int lane, int i) {
+    return 4 * (kGroups * (lane + kWarp * (i / kGroups)) + i % kGroups);
+  }
+};
+
+// Encodes the lane's values (its groups as Map places them) into the chunk's codes and, with
+// `error` defined, writes there what the codes lose (elements first_index.. of it). Each group's
+// error is written as soon as it is encoded: codes kept for a second pass would hold 32 more
+// registers and cost a third of the warps an SM can keep in flight.
+template <quant::Codes kKind, typename Map, typename scalar_t>
 __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int lane, const QuantizeLayout& l,
                                             uint64_t first_index, int64_t draws, float scale, uint8_t* codes,
                                             scalar_t* error, bool vector) {
   const float inverse = quant::inverse(scale);
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
-    const int64_t j = group_start(lane, i);
-    if (j >= l.chunk) break;
+    const int64_t j = Map::start(lane, i);
+    if (j >= l.chunk) continue;
     int8_t q[4];
     quant::encode_four(v[i], first_index + j, draws, inverse, kKind, q);
     quant::store_four_codes(codes, j, q, kKind);
     if (error != nullptr) {
-      float rest[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) rest[k] = quant::add(v[i][k], -quant::decode(q[k], scale, kKind));
-      store_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, rest);
+      store_error_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, v[i], q, scale, kKind);
     }
   }
 }
@@ -209,15 +196,75 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
-    const int64_t j = group_start(lane, i);
+    const int64_t j = FloatGroups::start(lane, i);
     if (j >= l.chunk) break;
-    load_four(src, first + j, l.numel, vector, v[i]);
+    four::load(src, first + j, l.numel, vector, v[i]);
 #pragma unroll
     for (int k = 0; k < 4; ++k) m = fmaxf(m, fabsf(v[i][k]));
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
-  encode_lane<kKind>(v, lane, l, first, draws, scale, l.codes(packed, s, c), error, vector);
+  encode_lane<kKind, FloatGroups>(v, lane, l, first, draws, scale, l.codes(packed, s, c), error, vector);
   if (lane == 0) *l.scale(packed, s, c) = scale;
+}
+
+// Code k of a word of stored codes times the scale: decode_stored's value, in fewer
+// instructions (the reduce decodes every rank's codes, so they add up). Integer codes go into
+// their float's mantissa with one byte permute (small_int_to_float's layout) rather than a shift
+// and two masks. An e4m3 byte's bits, moved into an fp16's (sign to sign, the rest 7 places up),
+// are its value times 2^-8, subnormals included; the converter turns two fp16 into floats, and
+// the scale times 2^8 restores the product exactly (scale <= FLT_MAX / 448 cannot overflow).
+template <quant::Codes kKind>
+__device__ __forceinline__ float decode_in_word(uint32_t word, int k, float scale) {
+  if constexpr (kKind == quant::Codes::e4m3) {
+    const uint32_t spread = __byte_perm(word, 0u, k < 2 ? 0x4140u : 0x4342u);  // bytes of the pair at 0 and 2
+    const uint32_t halves = (spread & 0x007F007Fu) << 7 | (spread & 0x00800080u) << 8;
+    __half2 pair;
+    memcpy(&pair, &halves, sizeof pair);
+    const float2 values = __half22float2(pair);
+    return quant::mul(k % 2 ? values.y : values.x, quant::mul(scale, 256.0f));
+  } else {
+    // the byte with the code's biased value (int8: code + 128; int4: its nibble, code + 8)
+    const uint32_t biased = kKind == quant::Codes::int8 ? word ^ 0x80808080u
+                                                        : (word >> (4 * (k % 2))) & 0x0F0F0F0Fu;
+    const int byte = kKind == quant::Codes::int8 ? k : k / 2;
+    const uint32_t magic = __byte_perm(biased, 0x4B000000u, 0x7440u | byte);  // 0x4B0000 byte
+    return quant::mul(quant::small_int_from_magic(magic, kKind == quant::Codes::int8 ? 128u : 8u), scale);
+  }
+}
+
+// Adds ranks first_rank.. first_rank + kRanks - 1 of chunk c, in rank order, to the lane's sums.
+// Every load is issued before the first is used (no branch between them): with up to 8 ranks
+// in a step, that is what keeps enough bytes in flight.
+template <quant::Codes kKind, int kRanks>
+__device__ __forceinline__ void add_ranks(const uint8_t* received, const QuantizeLayout& l, int64_t first_rank,
+                                          int64_t c, int lane, float (&v)[kMaxFours][4]) {
+  using Words = CodeWords<kKind>;
+  const int64_t chunk_bytes = l.chunk * l.bits() / 8;
+  uint32_t word[kRanks][Words::kPerLane];
+  float scale[kRanks];
+#pragma unroll
+  for (int b = 0; b < kRanks; ++b) {
+    uint8_t* piece = const_cast<uint8_t*>(received);
+    const uint8_t* codes = l.codes(piece, first_rank + b, c);
+    scale[b] = __ldg(l.scale(piece, first_rank + b, c));
+#pragma unroll
+    for (int t = 0; t < Words::kPerLane; ++t) {
+      const int64_t at = 4 * (lane + kWarp * t);
+      word[b][t] = at < chunk_bytes ? __ldg(reinterpret_cast<const uint32_t*>(codes + at)) : Words::kZero;
+    }
+  }
+  constexpr int kCodes = 32 / quant::bits_of(kKind);
+#pragma unroll
+  for (int b = 0; b < kRanks; ++b) {
+#pragma unroll
+    for (int t = 0; t < Words::kPerLane; ++t) {
+#pragma unroll
+      for (int k = 0; k < kCodes; ++k) {
+        float& sum = v[t * Words::kGroups + k / 4][k % 4];
+        sum = quant::add(sum, decode_in_word<kKind>(word[b][t], k, scale[b]));
+      }
+    }
+  }
 }
 
 template <quant::Codes kKind>
@@ -227,20 +274,10 @@ __global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t
   if (c < 0) return;
   const int lane = threadIdx.x % kWarp;
   float v[kMaxFours][4] = {};
-#pragma unroll 4
-  for (int64_t r = 0; r < l.ranks; ++r) {
-    const uint8_t* codes = l.codes(const_cast<uint8_t*>(received), r, c);
-    const float scale = *l.scale(const_cast<uint8_t*>(received), r, c);
-#pragma unroll
-    for (int i = 0; i < kMaxFours; ++i) {
-      const int64_t j = group_start(lane, i);
-      if (j >= l.chunk) break;
-      int8_t q[4];
-      quant::load_four_codes(codes, j, kKind, q);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) v[i][k] = quant::add(v[i][k], quant::decode(q[k], scale, kKind));
-    }
-  }
+  constexpr int kRanksInFlight = 4;
+  int64_t r = 0;
+  for (; r + kRanksInFlight <= l.ranks; r += kRanksInFlight) add_ranks<kKind, kRanksInFlight>(received, l, r, c, lane, v);
+  for (; r < l.ranks; ++r) add_ranks<kKind, 1>(received, l, r, c, lane, v);
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
@@ -251,7 +288,8 @@ __global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t
     }
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
-  encode_lane<kKind>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c), static_cast<float*>(nullptr), false);
+  encode_lane<kKind, CodeWords<kKind>>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
+                                       static_cast<float*>(nullptr), false);
   if (lane == 0) *l.scale(piece, 0, c) = scale;
 }
 
@@ -267,14 +305,14 @@ __global__ void dequantize_warp_kernel(const uint8_t* __restrict__ packed, scala
   const float scale = *l.scale(const_cast<uint8_t*>(packed), s, c);
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
-    const int64_t j = group_start(lane, i);
+    const int64_t j = FloatGroups::start(lane, i);
     if (j >= l.chunk || first + j >= l.numel) break;
     int8_t q[4];
     quant::load_four_codes(codes, j, kKind, q);
     float values[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[k], scale, kKind);
-    store_four(out, first + j, l.numel, vector, values);
+    four::store(out, first + j, l.numel, vector, values);
   }
 }
 
@@ -290,15 +328,6 @@ void with_codes(quant::Codes kind, F&& f) {
 
 int64_t warp_blocks(int64_t chunks) { return (chunks * kWarp + kThreads - 1) / kThreads; }
 
-// Whether every access of four elements from these pointers can be one vector access.
-template <typename scalar_t>
-bool four_aligned(std::initializer_list<const void*> pointers) {
-  for (const void* p : pointers) {
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % (4 * sizeof(scalar_t)) != 0) return false;
-  }
-  return true;
-}
-
 size_t chunk_bytes(const QuantizeLayout& l) { return static_cast<size_t>(l.chunk) * sizeof(float); }
 
 } // namespace
@@ -310,7 +339,7 @@ void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "quantize_shards", [&] {
     const scalar_t* in = src.const_data_ptr<scalar_t>();
     scalar_t* err = error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr;
-    const bool vector = four_aligned<scalar_t>({in, err});
+    const bool vector = four::aligned<scalar_t>({in, err});
     const auto stream = at::cuda::getCurrentCUDAStream();
     if (layout.chunk <= kWarpChunkLimit) {
       with_codes(layout.kind, [&](auto kind) {
@@ -348,7 +377,7 @@ void dequantize_shards_cuda_(const at::Tensor& packed, const at::Tensor& out, co
   const int64_t blocks = layout.ranks * layout.chunks_per_shard();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dequantize_shards", [&] {
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    const bool vector = four_aligned<scalar_t>({dst});
+    const bool vector = four::aligned<scalar_t>({dst});
     const auto stream = at::cuda::getCurrentCUDAStream();
     if (layout.chunk <= kWarpChunkLimit) {
       with_codes(layout.kind, [&](auto kind) {

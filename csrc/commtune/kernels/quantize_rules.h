@@ -1,16 +1,19 @@
 #pragma once
 // The arithmetic of the quantized codes, shared by the CPU loops and the CUDA kernels so both
 // give the same bits. Every chunk is scaled by its absmax onto the codes' range, then rounded
-// down after adding a uniform draw (unbiased; a draw of 0.5 rounds to nearest, ties away from
-// zero); draws come from a counter-based hash of (seed, element index), one hash per pair.
-//   int8: integers in [-127, 127] (0 is exact).
+// stochastically (unbiased) or to nearest; the random bits come from a counter-based hash of
+// (seed, element index), one hash per pair of elements.
+//   int8: integers in [-127, 127] (0 is exact), floor(y + u) for a uniform draw u (u = 0.5 to
+//         nearest, ties away from zero).
 //   int4: integers in [-7, 7], two per byte (the even element in the low half), stored plus 8.
-//   e4m3: fp8 bytes in the e4m3fn layout torch calls float8_e4m3fn (|value| <= 448), rounded
-//         within the binade of the scaled value (to nearest: ties to even, as torch's own
-//         conversion); done in integer and power-of-two arithmetic, so it needs no fp8
-//         hardware and gives the same bits everywhere.
+//   e4m3: fp8 bytes in the e4m3fn layout torch calls float8_e4m3fn (|value| <= 448). The scaled
+//         value's fp32 bits plus random bits below its 3 kept mantissa bits, then truncated: the
+//         carry rounds up with the probability of the dropped fraction, and into the exponent
+//         where the mantissa overflows. To nearest: ties to even, as torch's own conversion.
+//         Integer arithmetic: no fp8 hardware needed, the same bits everywhere.
 // Products and sums use round-to-nearest intrinsics on the GPU so that --use_fast_math cannot
-// fuse or approximate them.
+// fuse or approximate them. The GPU's int/float conversions run at a quarter of the adders'
+// rate, so exact small integers go through a float's mantissa instead (see small_int_to_float).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,7 +28,7 @@ namespace commtune::quant {
 
 enum class Codes : int { int8 = 0, int4 = 1, e4m3 = 2 };
 
-COMMTUNE_HD int bits_of(Codes codes) { return codes == Codes::int4 ? 4 : 8; }
+COMMTUNE_HD constexpr int bits_of(Codes codes) { return codes == Codes::int4 ? 4 : 8; }
 
 // The largest code magnitude: a chunk's absmax maps onto it.
 COMMTUNE_HD float top_of(Codes codes) {
@@ -92,42 +95,64 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 // so a run of them costs one 64-bit multiply (point + k * kGolden).
 COMMTUNE_HD uint64_t stream_point(uint64_t seed, uint64_t pair) { return seed + (pair + 1) * kGolden; }
 
-// A draw in [0, 1) from 24 random bits.
-COMMTUNE_HD float uniform_of(uint64_t bits24) { return static_cast<float>(bits24) * (1.0f / 16777216.0f); }
+// A draw in [0, 1) from 24 random bits (0x800000: one half, rounding to nearest).
+COMMTUNE_HD float uniform_of(uint32_t bits24) { return static_cast<float>(bits24) * (1.0f / 16777216.0f); }
 
-// The draws for elements index..index+3 of the stream `seed` (index a multiple of 4), or 0.5 each
-// (rounding to nearest) when seed < 0. Elements 2m and 2m+1 share pair m's mix, the top and the
-// bottom 24 of its bits: the mixing, most of a draw's cost, is paid once per two elements.
-COMMTUNE_HD void four_draws(int64_t seed, uint64_t index, float (&draw)[4]) {
+constexpr uint32_t kHalf24 = 0x800000u;
+
+// 24 random bits for each of elements index..index+3 of the stream `seed` (index a multiple of 4),
+// or kHalf24 each when seed < 0 (rounding to nearest). Elements 2m and 2m+1 share pair m's mix,
+// the top and the bottom 24 of its bits: the mixing, most of a draw's cost, is paid once per two
+// elements.
+COMMTUNE_HD void four_random(int64_t seed, uint64_t index, uint32_t (&random)[4]) {
   if (seed < 0) {
-    for (int k = 0; k < 4; ++k) draw[k] = 0.5f;
+    for (int k = 0; k < 4; ++k) random[k] = kHalf24;
     return;
   }
   const uint64_t point = stream_point(static_cast<uint64_t>(seed), index / 2);
   const uint64_t a = mix(point), b = mix(point + kGolden);
-  draw[0] = uniform_of(a >> 40);
-  draw[1] = uniform_of(a & 0xFFFFFFu);
-  draw[2] = uniform_of(b >> 40);
-  draw[3] = uniform_of(b & 0xFFFFFFu);
+  random[0] = static_cast<uint32_t>(a >> 40);
+  random[1] = static_cast<uint32_t>(a) & 0xFFFFFFu;
+  random[2] = static_cast<uint32_t>(b >> 40);
+  random[3] = static_cast<uint32_t>(b) & 0xFFFFFFu;
 }
 
-// 2^k for k in [-126, 127], built from its bits: scaling by it is exact and costs one multiply
-// (frexpf/ldexpf are calls on the GPU).
-COMMTUNE_HD float pow2(int k) {
-  const uint32_t bits = static_cast<uint32_t>(k + 127) << 23;
+COMMTUNE_HD uint32_t float_bits(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+COMMTUNE_HD float float_from_bits(uint32_t bits) {
   float value;
   memcpy(&value, &bits, sizeof value);
   return value;
 }
 
-// A small integer (|n| < 2^22) as a float, exactly. On the GPU without the int-to-float unit
-// (a quarter of the adders' rate on Hopper): n + 2^23 + bias laid into a float's mantissa, less
-// the same constant.
+#if defined(__CUDACC__)
+// n from the float 2^23 + n + bias, whose bits are 0x4B000000 | (n + bias).
+__device__ __forceinline__ float small_int_from_magic(uint32_t magic, uint32_t bias) {
+  return __fsub_rn(__uint_as_float(magic), static_cast<float>(8388608u + bias));
+}
+#endif
+
+// A small integer n (|n| < 2^22, given as n + bias >= 0) as a float, exactly. On the GPU without
+// the int-to-float unit: n + bias laid into the mantissa of 2^23, less 2^23 + bias.
 COMMTUNE_HD float small_int_to_float(uint32_t biased, uint32_t bias) {
 #if defined(__CUDA_ARCH__)
-  return __fsub_rn(__uint_as_float(0x4B000000u | biased), static_cast<float>(8388608u + bias));
+  return small_int_from_magic(0x4B000000u | biased, bias);
 #else
   return static_cast<float>(static_cast<int32_t>(biased) - static_cast<int32_t>(bias));
+#endif
+}
+
+// The reverse: an integral float y with |y| <= 128 as the low byte of y's two's complement. On
+// the GPU y + 2^23 + 128 puts y + 128 in the mantissa's low byte; flipping its top bit is y.
+COMMTUNE_HD uint8_t small_float_to_byte(float y) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint8_t>((__float_as_uint(__fadd_rn(y, 8388736.0f)) & 0xFFu) ^ 0x80u);
+#else
+  return static_cast<uint8_t>(static_cast<int8_t>(y));
 #endif
 }
 
@@ -136,55 +161,61 @@ COMMTUNE_HD float scale_of(float absmax, Codes codes) { return div(absmax, top_o
 COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) : 0.0f; }
 
 // y (already scaled, |y| <= 448 up to rounding) as an e4m3fn byte: 3 mantissa bits, exponent
-// bias 7, subnormals below 2^-6 in steps of 2^-9. q counts steps of the binade of |y|.
-COMMTUNE_HD uint8_t encode_e4m3(float y, float draw) {
+// bias 7, subnormals below 2^-6 in steps of 2^-9. `random`: 24 random bits (ignored to nearest).
+COMMTUNE_HD uint8_t encode_e4m3(float y, uint32_t random, bool nearest) {
   const float a = fminf(fabsf(y), 448.0f);
-  if (!(a > 0.0f)) return 0;
-  uint32_t bits;
-  memcpy(&bits, &a, sizeof bits);
-  // a in [2^e, 2^(e+1)) from its exponent field (an fp32 subnormal reads -127), or e4m3-subnormal.
-  int e = static_cast<int>(bits >> 23) - 127;
-  if (e < -6) e = -6;
-  const float steps = mul(a, pow2(3 - e));  // a in steps of 2^(e-3): 8..16 (0..8 subnormal); exact
-  int q = static_cast<int>(floorf(add(steps, draw)));
-  if (draw == 0.5f && q % 2 == 1 && add(steps, 0.5f) == static_cast<float>(q)) q -= 1;  // a tie: to even, as torch
-  if (e == 8 && q > 14) q = 14;  // 448 = 14 * 2^5 is the largest finite e4m3fn
-  if (q == 16) {
-    e += 1;
-    q = 8;
+  const uint32_t bits = float_bits(a);
+  uint32_t magnitude;
+  if (bits < 0x3C800000u) {  // a < 2^-6: the subnormal codes count steps of 2^-9
+    const float steps = mul(a, 512.0f);  // exact
+    magnitude = static_cast<uint32_t>(nearest ? rintf(steps) : floorf(add(steps, uniform_of(random))));
+  } else {
+    // 20 bits below the kept ones; to nearest, half of them plus the kept lowest bit (ties to even)
+    const uint32_t below = nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random >> 4;
+    // fp32 exponent 127 + e becomes e4m3's 7 + e; 448 = 0x43E00000 never carries past 0x7E
+    magnitude = ((bits + below) >> 20) - (120u << 3);
   }
-  const uint8_t magnitude = q < 8 ? static_cast<uint8_t>(q) : static_cast<uint8_t>((e + 7) << 3 | (q - 8));
-  return magnitude == 0 ? 0 : static_cast<uint8_t>(magnitude | (y < 0.0f ? 0x80 : 0));
+  return magnitude == 0 ? 0 : static_cast<uint8_t>(magnitude | (y < 0.0f ? 0x80u : 0u));
 }
 
+// An e4m3fn byte's value. Its 7 magnitude bits, put under an fp32 exponent biased by 120 more,
+// are the value for exponents 1..15; for subnormals (exponent 0, m * 2^-9) the same bits read
+// 2^-7 + m * 2^-10, which twice, less 2^-6, is the value. All exact, no conversion unit.
 COMMTUNE_HD float decode_e4m3(uint8_t code) {
-  const int e = (code >> 3) & 15, m = code & 7;
-  // Small integers times powers of two: exact.
-  const float magnitude = e == 0 ? mul(static_cast<float>(m), pow2(-9)) : mul(static_cast<float>(8 + m), pow2(e - 10));
-  return code & 0x80 ? -magnitude : magnitude;
+  const float v = float_from_bits((static_cast<uint32_t>(code & 0x7Fu) << 20) + (120u << 23));
+  const float magnitude = (code & 0x78u) != 0 ? v : add(add(v, v), -0.015625f);
+  return float_from_bits(float_bits(magnitude) | static_cast<uint32_t>(code & 0x80u) << 24);
 }
 
-// x as a code (the byte, for e4m3), given the chunk's inverse scale and a draw in [0, 1).
-COMMTUNE_HD int8_t encode(float x, float inverse_scale, float draw, Codes codes) {
-  if (codes == Codes::e4m3) return static_cast<int8_t>(encode_e4m3(mul(x, inverse_scale), draw));
-  const float y = floorf(add(mul(x, inverse_scale), draw));
+// x as a code (the byte, for e4m3), given the chunk's inverse scale and 24 random bits.
+COMMTUNE_HD int8_t encode(float x, float inverse_scale, uint32_t random, bool nearest, Codes codes) {
+  if (codes == Codes::e4m3) return static_cast<int8_t>(encode_e4m3(mul(x, inverse_scale), random, nearest));
+  const float y = floorf(add(mul(x, inverse_scale), uniform_of(random)));
   const float top = top_of(codes);
-  return static_cast<int8_t>(fminf(fmaxf(y, -top), top));
+  return static_cast<int8_t>(small_float_to_byte(fminf(fmaxf(y, -top), top)));
 }
 
-COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) {
-  // int8/int4 codes (|code| <= 127) biased by 128 into a byte.
-  const float value = codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(code))
-                                           : small_int_to_float(static_cast<uint8_t>(code) ^ 0x80u, 128u);
+// A code as stored (int8: its byte; int4: its nibble, the code plus 8; e4m3: its byte) times
+// the chunk's scale.
+COMMTUNE_HD float decode_stored(uint32_t stored, float scale, Codes codes) {
+  const float value = codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(stored))
+                      : codes == Codes::int8 ? small_int_to_float(stored ^ 0x80u, 128u)
+                                             : small_int_to_float(stored, 8u);
   return mul(value, scale);
+}
+
+// A code (int4: -7..7) times the chunk's scale.
+COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) {
+  return decode_stored(codes == Codes::int4 ? static_cast<uint32_t>(code + 8) : static_cast<uint8_t>(code), scale,
+                       codes);
 }
 
 // Values v[0..3], elements index..index+3 of a chunk (see four_draws), as codes.
 COMMTUNE_HD void encode_four(const float* v, uint64_t index, int64_t draws, float inverse_scale, Codes codes,
                              int8_t (&q)[4]) {
-  float draw[4];
-  four_draws(draws, index, draw);
-  for (int k = 0; k < 4; ++k) q[k] = encode(v[k], inverse_scale, draw[k], codes);
+  uint32_t random[4];
+  four_random(draws, index, random);
+  for (int k = 0; k < 4; ++k) q[k] = encode(v[k], inverse_scale, random[k], draws < 0, codes);
 }
 
 // Codes j..j+3 of a chunk whose codes start at `codes` (j a multiple of 4): one 4- or 2-byte access.

@@ -1,5 +1,7 @@
-// CUDA kernels of the sign compression (checks and CPU loops in sign.cpp). Encoding: one block
-// per chunk; each warp turns 32 consecutive signs into a word with one ballot.
+// CUDA kernels of the sign compression (checks and CPU loops in sign.cpp). Encoding: one warp
+// per chunk of up to 1024 elements, its values in registers (one read of the bucket), or one
+// block per larger chunk, where each warp turns 32 consecutive signs into a word with a ballot.
+#include <commtune/kernels/four.cuh>
 #include <commtune/kernels/sign.h>
 
 #include <ATen/Dispatch.h>
@@ -43,13 +45,64 @@ __global__ void sign_encode_kernel(const scalar_t* __restrict__ src, scalar_t* e
   }
 }
 
+constexpr int kWarp = 32;
+constexpr int kMaxFours = 8;  // groups of four values a lane holds: chunks up to 1024
+constexpr int64_t kWarpChunkLimit = kWarp * kMaxFours * 4;
+
+// A lane's i-th group is elements 4 * (lane + 32 i).. of the chunk, so lanes 8w..8w+7 hold the
+// 32 elements of the group's word w: their four sign bits each are OR-ed together by shuffles.
+template <typename scalar_t>
+__global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ piece,
+                                        SignLayout l, bool vector) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  if (c >= l.chunks()) return;  // the whole warp: chunks are whole warps
+  const int lane = threadIdx.x % kWarp;
+  const int64_t first = c * l.chunk, count = min(l.chunk, l.numel - first);
+  float v[kMaxFours][4];
+  double part = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
+    const int64_t j = 4 * (lane + kWarp * i);
+    if (j < l.chunk) {
+      four::load(src, first + j, l.numel, vector, v[i]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[i][k] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) part += fabs(static_cast<double>(v[i][k]));
+  }
+  for (int o = 16; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
+  const float scale = static_cast<float>(part / static_cast<double>(count));
+  uint32_t* bits = reinterpret_cast<uint32_t*>(piece);
+  if (lane == 0) reinterpret_cast<float*>(bits + l.words())[c] = scale;
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
+    const int64_t j = 4 * (lane + kWarp * i);
+    uint32_t word = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) word |= (v[i][k] < 0.0f ? 1u : 0u) << (4 * (lane % 8) + k);
+    word |= __shfl_xor_sync(0xffffffffu, word, 1);
+    word |= __shfl_xor_sync(0xffffffffu, word, 2);
+    word |= __shfl_xor_sync(0xffffffffu, word, 4);
+    if (j >= l.chunk) continue;
+    if (lane % 8 == 0) bits[(first + j) / 32] = word;
+    if (error != nullptr) {
+      float rest[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) rest[k] = quant::add(v[i][k], -(v[i][k] < 0.0f ? -scale : scale));
+      four::store(error, first + j, l.numel, vector, rest);
+    }
+  }
+}
+
 // Four consecutive elements per thread: they share a word and a chunk (chunks are whole words),
 // so each rank costs the thread one word and one scale. The piece's size and where its scales
 // start come in from the host (SignLayout computes them with 64-bit divisions).
 template <typename scalar_t>
 __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, scalar_t* __restrict__ out,
                                         int64_t ranks, quant::Divisor divisor, int64_t numel, int64_t chunk_elements,
-                                        int64_t piece_bytes, int64_t scales_at) {
+                                        int64_t piece_bytes, int64_t scales_at, bool vector) {
   const int64_t first = 4 * (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
   if (first >= numel) return;
   const int64_t chunk = quant::quotient(first, chunk_elements), word = first / 32;
@@ -64,9 +117,8 @@ __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, sc
     for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], (w >> k) & 1u ? -scale : scale);
   }
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    if (first + k < numel) out[first + k] = static_cast<scalar_t>(divisor.apply(sum[k]));
-  }
+  for (int k = 0; k < 4; ++k) sum[k] = divisor.apply(sum[k]);
+  four::store(out, first, numel, vector, sum);
 }
 
 } // namespace
@@ -75,9 +127,17 @@ void sign_encode_cuda_(const at::Tensor& src, const at::Tensor& error, const at:
   if (layout.chunks() == 0) return;
   const c10::cuda::CUDAGuard guard(src.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "sign_encode", [&] {
-    sign_encode_kernel<scalar_t><<<layout.chunks(), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        src.const_data_ptr<scalar_t>(), error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr,
-        piece.mutable_data_ptr<uint8_t>(), layout);
+    const scalar_t* in = src.const_data_ptr<scalar_t>();
+    scalar_t* err = error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr;
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    if (layout.chunk <= kWarpChunkLimit) {
+      const int64_t blocks = (layout.chunks() * kWarp + kThreads - 1) / kThreads;
+      sign_encode_warp_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(in, err, piece.mutable_data_ptr<uint8_t>(),
+                                                                         layout, four::aligned<scalar_t>({in, err}));
+    } else {
+      sign_encode_kernel<scalar_t><<<layout.chunks(), kThreads, 0, stream>>>(in, err, piece.mutable_data_ptr<uint8_t>(),
+                                                                             layout);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -90,7 +150,8 @@ void sign_decode_mean_cuda_(const at::Tensor& gathered, const at::Tensor& out, i
     sign_decode_mean_kernel<scalar_t>
         <<<(threads + kThreads - 1) / kThreads, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             gathered.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), ranks, quant::Divisor::of(ranks),
-            layout.numel, layout.chunk, layout.piece_bytes(), 4 * layout.words());
+            layout.numel, layout.chunk, layout.piece_bytes(), 4 * layout.words(),
+            four::aligned<scalar_t>({out.const_data_ptr<scalar_t>()}));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -1,0 +1,68 @@
+#include <commtune/kernels/top_k.h>
+
+#include <commtune/shape.h>
+
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <vector>
+
+namespace commtune {
+
+TopKSample TopKSample::of(int64_t numel, int64_t k) {
+  TopKSample s;
+  s.size = std::min(numel, kTopKSample);
+  s.stride = numel / s.size;
+  s.want = std::max<int64_t>(1, (k * s.size + numel - 1) / numel);
+  return s;
+}
+
+void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
+                      bool clear) {
+  const int64_t numel = x.numel();
+  TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && x.is_floating_point(),
+              "TopK: the bucket must be a contiguous 1-D floating-point tensor, got ", x.scalar_type(), " ",
+              shape_of(x));
+  TORCH_CHECK(numel > 0 && numel < (int64_t{1} << 31), "TopK: the bucket must hold 1 to 2^31 - 1 entries, got ",
+              numel);
+  TORCH_CHECK(k >= 1 && k <= numel, "TopK: k must be in [1, ", numel, "], got ", k);
+  TORCH_CHECK(piece.scalar_type() == at::kInt && piece.is_contiguous() && piece.numel() == 2 * k &&
+                  piece.device() == x.device(),
+              "TopK: the piece must be a contiguous int32 tensor of 2k = ", 2 * k, " entries on ", x.device(),
+              ", got ", piece.scalar_type(), " ", shape_of(piece), " on ", piece.device());
+  TORCH_CHECK(qualifying.scalar_type() == at::kLong && qualifying.numel() == 1 && qualifying.device() == x.device(),
+              "TopK: the count must be one int64 on ", x.device(), ", got ", qualifying.scalar_type(), " ",
+              shape_of(qualifying), " on ", qualifying.device());
+  const TopKSample sample = TopKSample::of(numel, k);
+#ifdef COMMTUNE_WITH_CUDA
+  if (x.is_cuda()) return threshold_top_k_cuda_(x, k, piece, qualifying, clear, sample);
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
+    scalar_t* in = x.mutable_data_ptr<scalar_t>();
+    std::vector<float> drawn(sample.size);
+    for (int64_t s = 0; s < sample.size; ++s) drawn[s] = std::fabs(static_cast<float>(in[s * sample.stride]));
+    std::nth_element(drawn.begin(), drawn.begin() + (sample.want - 1), drawn.end(), std::greater<float>());
+    const float threshold = drawn[sample.want - 1];
+    int32_t* out = piece.mutable_data_ptr<int32_t>();
+    float* values = reinterpret_cast<float*>(out);
+    int32_t* indices = out + k;
+    int64_t count = 0;
+    for (int64_t i = 0; i < numel; ++i) {
+      const float value = static_cast<float>(in[i]);
+      if (!(std::fabs(value) >= threshold)) continue;
+      if (count < k) {
+        values[count] = value;
+        indices[count] = static_cast<int32_t>(i);
+        if (clear) in[i] = scalar_t(0);
+      }
+      ++count;
+    }
+    std::fill(values + std::min(count, k), values + k, 0.0f);
+    std::fill(indices + std::min(count, k), indices + k, 0);
+    qualifying.fill_(count);
+  });
+}
+
+} // namespace commtune

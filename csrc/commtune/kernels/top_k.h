@@ -1,0 +1,39 @@
+#pragma once
+// Top-k by an estimated threshold (TopK's selection="threshold"): one pass over the bucket
+// instead of an exact selection. The threshold t is the `want`-th largest |x| among a sample of
+// m = min(numel, kTopKSample) entries s * stride (stride = numel / m), want = ceil(k * m / numel);
+// the entries with |x| >= t qualify, and the first k of them in index order are taken. How many
+// qualify is random (for a ratio of 1%, about k +- 8%); more than k: the rest stay in the error
+// buffer for a later step; fewer: the unused slots send nothing. Both give the same picks on the
+// CPU and the GPU.
+#include <ATen/ATen.h>
+
+#include <commtune/kernels/quantize_rules.h>
+
+#include <cstdint>
+
+namespace commtune {
+
+constexpr int64_t kTopKSample = 16384;
+
+// Writes the taken entries to `piece` (int32, 2k: k values as float32 bits, then k indices);
+// the slots past the number taken get value 0 at index 0, which adds nothing. With `clear`, the
+// taken entries of x become 0 (they are sent in full). `qualifying` (int64, one element, on x's
+// device) receives how many entries qualified: the count error is that minus k.
+void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
+                      bool clear);
+
+// The sample's size and rank for a bucket of numel entries and k to take.
+struct TopKSample {
+  int64_t size = 0;
+  int64_t stride = 1;  // between sampled entries
+  int64_t want = 0;
+  static TopKSample of(int64_t numel, int64_t k);
+};
+
+#ifdef COMMTUNE_WITH_CUDA
+void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
+                           bool clear, const TopKSample& sample);
+#endif
+
+} // namespace commtune

@@ -1,0 +1,134 @@
+"""TopK's threshold selection (kernels/top_k.h): the picks against the rule written in plain
+PyTorch, CPU = CUDA, how far the count of qualifying entries strays from k, and the hook end to
+end on 2 and 3 gloo ranks against a simulation of the same rule with error feedback."""
+import functools
+
+import pytest
+import torch
+
+import compression_runs
+import distributed
+import test_sparsify
+from commtune import _C
+from conftest import DEVICES, needs_cuda
+
+
+def rule(x, k):
+    """The selection in tensor ops: the threshold is the want-th largest |x| of the sample, and
+    the first k entries (by index) at or above it are taken. -> (values, indices, qualifying)."""
+    size, stride, want = _C.top_k_sample(x.numel(), k)
+    sample = x[: size * stride : stride].float().abs()
+    threshold = sample.topk(want).values[-1]
+    qualifying = (x.float().abs() >= threshold).nonzero().view(-1)
+    taken = qualifying[:k]
+    values = torch.zeros(k)
+    indices = torch.zeros(k, dtype=torch.int32)
+    values[: taken.numel()] = x[taken].float()
+    indices[: taken.numel()] = taken.int()
+    return values, indices, qualifying.numel()
+
+
+def pick(x, k, clear):
+    piece = torch.empty(2 * k, dtype=torch.int32, device=x.device)
+    qualifying = torch.empty(1, dtype=torch.int64, device=x.device)
+    _C.threshold_top_k_(x, k, piece, qualifying, clear)
+    return piece[:k].view(torch.float32).cpu(), piece[k:].cpu(), int(qualifying.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("numel,k", [(1000, 10), (16384, 164), (100_000, 1000), (1_000_003, 10_000), (50, 50)])
+@pytest.mark.parametrize("clear", [False, True])
+def test_picks_follow_the_rule(device, numel, k, clear):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[::7] *= 1e-3  # many magnitudes, and ties among the zeros below
+    x[::11] = 0
+    values, indices, qualifying = rule(x, k)
+    on = x.to(device)
+    got_values, got_indices, got_qualifying = pick(on, k, clear)
+    assert got_qualifying == qualifying
+    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+    expected = x.clone()
+    if clear:
+        expected[indices[: min(qualifying, k)].long()] = 0
+    assert torch.equal(on.cpu(), expected)  # cleared where taken, untouched elsewhere
+
+
+def test_a_bucket_within_the_sample_picks_the_exact_top_k():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))  # no ties
+    values, indices, qualifying = pick(x, 50, False)
+    exact = x.abs().topk(50).indices.sort().values
+    assert qualifying == 50 and torch.equal(indices.long(), exact) and torch.equal(values, x[exact])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qualifying_count_stays_near_k(device):
+    # A sample of 16384 places the threshold within a few percent for a ratio of 1%; the bucket
+    # mixes scales as gradient buckets do (one layer's entries 100 times another's).
+    x = torch.randn(4_000_000, generator=torch.Generator().manual_seed(5))
+    x[1_000_000:1_500_000] *= 100
+    k = 40_000
+    _, indices, qualifying = pick(x.to(device), k, False)
+    assert 0.85 * k <= qualifying <= 1.15 * k
+    exact = set(x.abs().topk(k).indices.tolist())
+    taken = indices[: min(qualifying, k)].tolist()
+    assert len(exact.intersection(taken)) >= 0.85 * k  # most of the true top k
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_and_cpu_pick_the_same(dtype):
+    x = (torch.randn(300_001, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    cpu = pick(x.clone(), 3000, True)
+    gpu = pick(x.cuda(), 3000, True)
+    for a, b in zip(cpu, gpu):
+        assert a == b if isinstance(a, int) else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_are_refused(device):
+    x = torch.randn(100, device=device)
+    piece = torch.empty(20, dtype=torch.int32, device=device)
+    count = torch.empty(1, dtype=torch.int64, device=device)
+    with pytest.raises(RuntimeError, match="k must be"):
+        _C.threshold_top_k_(x, 101, torch.empty(202, dtype=torch.int32, device=device), count, False)
+    with pytest.raises(RuntimeError, match="2k = 22"):
+        _C.threshold_top_k_(x, 11, piece, count, False)
+    with pytest.raises(RuntimeError, match="1-D floating-point"):
+        _C.threshold_top_k_(x.view(10, 10), 10, piece, count, False)
+    with pytest.raises(RuntimeError, match="int64"):
+        _C.threshold_top_k_(x, 10, piece, count.int(), False)
+
+
+# ---- the hook through DDP -------------------------------------------------------------------
+
+STEPS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def run(world_size):
+    return distributed.run(compression_runs.hook_run, world_size, STEPS, "TopK-threshold")
+
+
+def threshold_top_k(x):
+    """The rule as TopK applies it: unused slots send 0 at index 0 and take nothing out of x."""
+    values, indices, qualifying = rule(x, test_sparsify.K)
+    return values, indices.long(), indices[: min(qualifying, test_sparsify.K)].long()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hook_equals_the_simulated_rule(world_size):
+    results = run(world_size)
+    expected = test_sparsify.simulate_topk([grads for _, grads in results[0]["steps"]], world_size, threshold_top_k)
+    for r in results:
+        for (ours, _), theirs in zip(r["steps"], expected):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        ratio = r["stats"]["topk_qualifying_per_k"]
+        assert 0.5 < ratio < 2.0  # reported; bucket of 21000 with a sample of 16384 of it
+
+
+def test_bad_selection_is_refused():
+    import commtune as ct
+
+    with pytest.raises(ValueError, match="selection"):
+        ct.hooks.TopK(selection="approximate").validate()
