@@ -49,11 +49,12 @@ case "$stage" in
     # timing of each pass (4 launches, 3 of them warm-up), with the sections that say whether
     # memory, issue or latency sets the pace.
     if ! command -v ncu > /dev/null; then echo "ncu (Nsight Compute) is not installed here"; exit 1; fi
-    timeout 400 ncu --clock-control none --kernel-name "regex:reduce_warp_kernel|quantize_warp_kernel|sign_encode_warp_kernel|sign_decode_mean_kernel|sample_threshold_kernel|DeviceSelect" \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats \
-      --section LaunchStats --section MemoryWorkloadAnalysis \
+    timeout 400 ncu --clock-control none \
+      --kernel-name "regex:reduce_warp_kernel|sign_decode_mean_kernel|sample_threshold_kernel|DeviceSelect|DeviceCompact" \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis \
       python benchmarks/compression.py --iters 1 --out "$out/compression_profiled.json" > "$out/ncu_compression.txt" 2>&1
-    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per" \
+    grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issued Warp" \
       "$out/ncu_compression.txt" | head -80
     ;;
   *)

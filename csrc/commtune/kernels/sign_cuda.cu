@@ -96,29 +96,43 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
   }
 }
 
-// Four consecutive elements per thread: they share a word and a chunk (chunks are whole words),
-// so each rank costs the thread one word and one scale. The piece's size and where its scales
-// start come in from the host (SignLayout computes them with 64-bit divisions).
+// Eight consecutive elements per thread: they share a word and a chunk (chunks are whole words),
+// so each rank costs the thread one word and one scale, and it stores two groups of four. The
+// ranks' loads are issued together, eight ranks at a time, before any is used. The piece's size
+// and where its scales start come in from the host (SignLayout computes them with 64-bit divisions).
+constexpr int kDecoded = 8;
+constexpr int kRanksInFlight = 8;
+
 template <typename scalar_t>
 __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, scalar_t* __restrict__ out,
                                         int64_t ranks, quant::Divisor divisor, int64_t numel, int64_t chunk_elements,
                                         int64_t piece_bytes, int64_t scales_at, bool vector) {
-  const int64_t first = 4 * (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
+  const int64_t first = kDecoded * (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
   if (first >= numel) return;
   const int64_t chunk = quant::quotient(first, chunk_elements), word = first / 32;
   const int shift = static_cast<int>(first % 32);
-  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 8  // the ranks' loads are independent: let them be in flight together
-  for (int64_t r = 0; r < ranks; ++r) {
-    const uint8_t* piece = gathered + r * piece_bytes;
-    const uint32_t w = reinterpret_cast<const uint32_t*>(piece)[word] >> shift;
-    const float scale = reinterpret_cast<const float*>(piece + scales_at)[chunk];
+  float sum[kDecoded] = {};
+  for (int64_t r0 = 0; r0 < ranks; r0 += kRanksInFlight) {
+    uint32_t bits[kRanksInFlight];
+    float scale[kRanksInFlight];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], (w >> k) & 1u ? -scale : scale);
+    for (int b = 0; b < kRanksInFlight; ++b) {
+      const uint8_t* piece = gathered + (r0 + b) * piece_bytes;
+      const bool here = r0 + b < ranks;
+      bits[b] = here ? __ldg(reinterpret_cast<const uint32_t*>(piece) + word) >> shift : 0u;
+      scale[b] = here ? __ldg(reinterpret_cast<const float*>(piece + scales_at) + chunk) : 0.0f;
+    }
+#pragma unroll
+    for (int b = 0; b < kRanksInFlight; ++b) {
+      if (r0 + b >= ranks) break;  // exactly `ranks` terms, as the CPU adds them
+#pragma unroll
+      for (int k = 0; k < kDecoded; ++k) sum[k] = quant::add(sum[k], (bits[b] >> k) & 1u ? -scale[b] : scale[b]);
+    }
   }
 #pragma unroll
-  for (int k = 0; k < 4; ++k) sum[k] = divisor.apply(sum[k]);
+  for (int k = 0; k < kDecoded; ++k) sum[k] = divisor.apply(sum[k]);
   four::store(out, first, numel, vector, sum);
+  four::store(out, first + 4, numel, vector, sum + 4);
 }
 
 } // namespace
@@ -146,7 +160,7 @@ void sign_decode_mean_cuda_(const at::Tensor& gathered, const at::Tensor& out, i
   if (layout.numel == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sign_decode_mean", [&] {
-    const int64_t threads = (layout.numel + 3) / 4;
+    const int64_t threads = (layout.numel + kDecoded - 1) / kDecoded;
     sign_decode_mean_kernel<scalar_t>
         <<<(threads + kThreads - 1) / kThreads, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             gathered.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), ranks, quant::Divisor::of(ranks),
