@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -267,14 +268,13 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
   }
 }
 
-template <quant::Codes kKind>
+template <quant::Codes kKind, int kRanksInFlight>
 __global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                                    quant::Divisor divisor, int64_t draws) {
   const int64_t c = warp_chunk(l.chunks_per_shard());
   if (c < 0) return;
   const int lane = threadIdx.x % kWarp;
   float v[kMaxFours][4] = {};
-  constexpr int kRanksInFlight = 4;
   int64_t r = 0;
   for (; r + kRanksInFlight <= l.ranks; r += kRanksInFlight) add_ranks<kKind, kRanksInFlight>(received, l, r, c, lane, v);
   for (; r < l.ranks; ++r) add_ranks<kKind, 1>(received, l, r, c, lane, v);
@@ -359,8 +359,10 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
   const c10::cuda::CUDAGuard guard(received.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (layout.chunk <= kWarpChunkLimit) {
+    static const bool four = std::getenv("COMMTUNE_AB_RANKS4") != nullptr;  // AB-EXPERIMENT: remove
     with_codes(layout.kind, [&](auto kind) {
-      reduce_warp_kernel<decltype(kind)::value><<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
+      auto kernel = four ? reduce_warp_kernel<decltype(kind)::value, 4> : reduce_warp_kernel<decltype(kind)::value, 2>;
+      kernel<<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
           received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
           draws);
     });

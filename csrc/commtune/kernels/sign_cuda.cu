@@ -96,43 +96,57 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
   }
 }
 
-// Eight consecutive elements per thread: they share a word and a chunk (chunks are whole words),
-// so each rank costs the thread one word and one scale, and it stores two groups of four. The
-// ranks' loads are issued together, eight ranks at a time, before any is used. The piece's size
-// and where its scales start come in from the host (SignLayout computes them with 64-bit divisions).
-constexpr int kDecoded = 8;
-constexpr int kRanksInFlight = 8;
+// One thread per word of signs: lane l of a warp decodes word l of every rank, its 32 elements,
+// in registers (one coalesced load of each rank's words, a broadcast load of its scale). The
+// warp then passes its 1024 sums through shared memory so that each lane stores four
+// consecutive ones at a time: the stores to `out` are whole lines. Ranks' loads are issued
+// kRanksInFlight at a time, before any is used.
+constexpr int kRanksInFlight = 4;
+constexpr int kStride = kWarp + 1;  // a row per lane, padded: neither pass meets a bank conflict
 
 template <typename scalar_t>
 __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, scalar_t* __restrict__ out,
                                         int64_t ranks, quant::Divisor divisor, int64_t numel, int64_t chunk_elements,
                                         int64_t piece_bytes, int64_t scales_at, bool vector) {
-  const int64_t first = kDecoded * (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
-  if (first >= numel) return;
-  const int64_t chunk = quant::quotient(first, chunk_elements), word = first / 32;
-  const int shift = static_cast<int>(first % 32);
-  float sum[kDecoded] = {};
+  __shared__ float staged[kThreads / kWarp][kWarp * kStride];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t word = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const bool mine = word * 32 < numel;
+  const int64_t chunk = mine ? quant::quotient(word * 32, chunk_elements) : 0;
+  float sum[32] = {};
   for (int64_t r0 = 0; r0 < ranks; r0 += kRanksInFlight) {
     uint32_t bits[kRanksInFlight];
     float scale[kRanksInFlight];
 #pragma unroll
     for (int b = 0; b < kRanksInFlight; ++b) {
       const uint8_t* piece = gathered + (r0 + b) * piece_bytes;
-      const bool here = r0 + b < ranks;
-      bits[b] = here ? __ldg(reinterpret_cast<const uint32_t*>(piece) + word) >> shift : 0u;
+      const bool here = mine && r0 + b < ranks;
+      bits[b] = here ? __ldg(reinterpret_cast<const uint32_t*>(piece) + word) : 0u;
       scale[b] = here ? __ldg(reinterpret_cast<const float*>(piece + scales_at) + chunk) : 0.0f;
     }
 #pragma unroll
     for (int b = 0; b < kRanksInFlight; ++b) {
       if (r0 + b >= ranks) break;  // exactly `ranks` terms, as the CPU adds them
+      const uint32_t magnitude = quant::float_bits(scale[b]);
 #pragma unroll
-      for (int k = 0; k < kDecoded; ++k) sum[k] = quant::add(sum[k], (bits[b] >> k) & 1u ? -scale[b] : scale[b]);
+      for (int k = 0; k < 32; ++k) {  // a set bit flips the scale's sign: -scale, as the CPU's
+        const float decoded = quant::float_from_bits(magnitude ^ ((bits[b] << (31 - k)) & 0x80000000u));
+        sum[k] = quant::add(sum[k], decoded);
+      }
     }
   }
 #pragma unroll
-  for (int k = 0; k < kDecoded; ++k) sum[k] = divisor.apply(sum[k]);
-  four::store(out, first, numel, vector, sum);
-  four::store(out, first + 4, numel, vector, sum + 4);
+  for (int k = 0; k < 32; ++k) staged[warp][lane * kStride + k] = divisor.apply(sum[k]);
+  __syncwarp();
+  const int64_t warp_first = (word - lane) * 32;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = 4 * (lane + kWarp * i);  // of the warp's 1024: row e / 32, four from column e % 32
+    float four_sums[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) four_sums[k] = staged[warp][(e / 32) * kStride + e % 32 + k];
+    if (warp_first + e < numel) four::store(out, warp_first + e, numel, vector, four_sums);
+  }
 }
 
 } // namespace
@@ -160,7 +174,7 @@ void sign_decode_mean_cuda_(const at::Tensor& gathered, const at::Tensor& out, i
   if (layout.numel == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sign_decode_mean", [&] {
-    const int64_t threads = (layout.numel + kDecoded - 1) / kDecoded;
+    const int64_t threads = (layout.numel + 31) / 32;  // one per word
     sign_decode_mean_kernel<scalar_t>
         <<<(threads + kThreads - 1) / kThreads, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             gathered.const_data_ptr<uint8_t>(), out.mutable_data_ptr<scalar_t>(), ranks, quant::Divisor::of(ranks),

@@ -1,7 +1,8 @@
 // CUDA side of threshold_top_k_ (checks and the CPU loop in top_k.cpp): one block finds the
 // sample's threshold by a radix select, then CUB's single-pass select (a decoupled look-back
-// scan, so the picks come out in index order) walks the bucket once, and every pick past the
-// first k is dropped where it would be written.
+// scan, so the picks come out in index order) walks the bucket once, reading its entries as the
+// flags of the positions 0..numel-1 (vector loads; a predicate on the position would load one
+// entry per thread per step), and every pick past the first k is dropped where it is written.
 #include <commtune/kernels/quantize_rules.h>
 #include <commtune/kernels/top_k.h>
 
@@ -50,10 +51,13 @@ __global__ void __launch_bounds__(kThreads) sample_threshold_kernel(const scalar
     const uint32_t prefix = chosen_prefix;
 #pragma unroll
     for (int j = 0; j < kKeysPerThread; ++j) {
-      // Lanes with the same digit add once (shared-memory atomics on one address serialize).
-      const uint32_t digit = (keys[j] & mask) == prefix ? (keys[j] >> shift) & (kBins - 1) : kBins;
+      // Lanes with the same digit add once (shared-memory atomics on one address serialize);
+      // after the first round most warps hold no key under the prefix and skip the match.
+      const bool under = (keys[j] & mask) == prefix;
+      if (!__any_sync(0xffffffffu, under)) continue;
+      const uint32_t digit = under ? (keys[j] >> shift) & (kBins - 1) : kBins;
       const uint32_t same = __match_any_sync(0xffffffffu, digit);
-      if (digit < kBins && (threadIdx.x % 32) == __ffs(same) - 1) atomicAdd(&bins[digit], __popc(same));
+      if (under && (threadIdx.x % 32) == __ffs(same) - 1) atomicAdd(&bins[digit], __popc(same));
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -87,11 +91,11 @@ __global__ void __launch_bounds__(kThreads) sample_threshold_kernel(const scalar
   if (threadIdx.x == 0) *threshold = quant::float_from_bits(chosen_prefix);
 }
 
+// Applied to the bucket's entries, which CUB reads as the flags of the positions 0..numel-1.
 template <typename scalar_t>
 struct Qualifies {
-  const scalar_t* x;
   const float* threshold;
-  __device__ bool operator()(int32_t i) const { return fabsf(static_cast<float>(x[i])) >= *threshold; }
+  __device__ bool operator()(const scalar_t& v) const { return fabsf(static_cast<float>(v)) >= *threshold; }
 };
 
 // Where CUB writes the n-th pick: slot n of the piece while n < k, nowhere after. A write sends
@@ -156,13 +160,14 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
     int32_t* out = piece.mutable_data_ptr<int32_t>();
     const Slots<scalar_t> slots{Slot<scalar_t>{in, reinterpret_cast<float*>(out), out + k, clear, 0, k}};
     const thrust::counting_iterator<int32_t> positions(0);
-    const Qualifies<scalar_t> qualifies{in, t};
+    const Qualifies<scalar_t> qualifies{t};
     int64_t* count = qualifying.mutable_data_ptr<int64_t>();
     size_t scratch_bytes = 0;
-    C10_CUDA_CHECK(cub::DeviceSelect::If(nullptr, scratch_bytes, positions, slots, count, numel, qualifies, stream));
+    C10_CUDA_CHECK(
+        cub::DeviceSelect::FlaggedIf(nullptr, scratch_bytes, positions, in, slots, count, numel, qualifies, stream));
     at::Tensor scratch = at::empty({static_cast<int64_t>(scratch_bytes)}, x.options().dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceSelect::If(scratch.mutable_data_ptr(), scratch_bytes, positions, slots, count, numel,
-                                         qualifies, stream));
+    C10_CUDA_CHECK(cub::DeviceSelect::FlaggedIf(scratch.mutable_data_ptr(), scratch_bytes, positions, in, slots, count,
+                                                numel, qualifies, stream));
   });
 }
 
