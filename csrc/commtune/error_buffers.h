@@ -55,10 +55,10 @@ class ErrorFeedbackHook : public Hook {
     return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
   }
   void check_min_size(int64_t min_size) const {
-    TORCH_CHECK(min_size >= 0, "commtune.", name(), ": min_size must be >= 0 bytes, got ", min_size);
+    TORCH_CHECK(min_size >= 0, "commtune.", name(), ": min_size must be >= 0 bytes, got ", std::to_string(min_size));
   }
   void check_ratio(double ratio) const {
-    TORCH_CHECK(ratio > 0 && ratio <= 1, "commtune.", name(), ": ratio must be in (0, 1], got ", ratio);
+    TORCH_CHECK(ratio > 0 && ratio <= 1, "commtune.", name(), ": ratio must be in (0, 1], got ", std::to_string(ratio));
   }
   // The bucket's error buffer after adding the bucket to it: what is to be sent this time.
   at::Tensor add_to_error(c10d::GradBucket& bucket) {

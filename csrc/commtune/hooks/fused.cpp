@@ -5,7 +5,7 @@ namespace commtune {
 FusedHook::FusedHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::unique_ptr<Hook> inner,
                      const Options& options)
     : WrapperHook(std::move(process_group), "Fused", std::move(inner)), options_(options) {
-  TORCH_CHECK(options_.min_bytes >= 0, "commtune.Fused: min_bytes must be >= 0, got ", options_.min_bytes);
+  TORCH_CHECK(options_.min_bytes >= 0, "commtune.Fused: min_bytes must be >= 0, got ", std::to_string(options_.min_bytes));
 }
 
 std::map<std::string, double> FusedHook::extra_stats() {

@@ -6,7 +6,8 @@ namespace commtune {
 QuantizeHook::QuantizeHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options)
     : ErrorFeedbackHook(std::move(process_group), "Quantize"), options_(options), codes_(codes_named(options.codes)) {
   TORCH_CHECK(options_.chunk >= 8 && options_.chunk <= 8192 && options_.chunk % 8 == 0,
-              "commtune.Quantize: chunk must be a multiple of 8 between 8 and 8192, got ", options_.chunk);
+              "commtune.Quantize: chunk must be a multiple of 8 between 8 and 8192, got ",
+              std::to_string(options_.chunk));
   check_min_size(options_.min_size);
 }
 

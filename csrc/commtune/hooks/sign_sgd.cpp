@@ -5,7 +5,8 @@ namespace commtune {
 SignSgdHook::SignSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options)
     : ErrorFeedbackHook(std::move(process_group), "SignSGD"), options_(options) {
   TORCH_CHECK(options_.chunk >= 32 && options_.chunk % 32 == 0,
-              "commtune.SignSGD: chunk must be a positive multiple of 32, got ", options_.chunk);
+              "commtune.SignSGD: chunk must be a positive multiple of 32, got ",
+              std::to_string(options_.chunk));
   check_min_size(options_.min_size);
 }
 

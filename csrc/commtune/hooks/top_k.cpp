@@ -51,7 +51,7 @@ Hook::Launch TopKHook::communicate(c10d::GradBucket& bucket) {
   if (static_cast<int64_t>(buffer.nbytes()) < options_.min_size) {
     return plain_mean(buffer);
   }
-  TORCH_CHECK(buffer.numel() < (int64_t{1} << 31), "commtune.TopK: a bucket of ", buffer.numel(),
+  TORCH_CHECK(buffer.numel() < (int64_t{1} << 31), "commtune.TopK: a bucket of ", std::to_string(buffer.numel()),
               " elements is too large for int32 indices; lower bucket_cap_mb");
   const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(options_.ratio * buffer.numel())));
   const at::Tensor x = options_.error_feedback ? add_to_error(bucket) : buffer;

@@ -15,7 +15,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -234,8 +233,8 @@ __device__ __forceinline__ float decode_in_word(uint32_t word, int k, float scal
 }
 
 // Adds ranks first_rank.. first_rank + kRanks - 1 of chunk c, in rank order, to the lane's sums.
-// Every load is issued before the first is used (no branch between them): with up to 8 ranks
-// in a step, that is what keeps enough bytes in flight.
+// Every load is issued before the first is used (no branch between them): that is what keeps
+// enough bytes in flight.
 template <quant::Codes kKind, int kRanks>
 __device__ __forceinline__ void add_ranks(const uint8_t* received, const QuantizeLayout& l, int64_t first_rank,
                                           int64_t c, int lane, float (&v)[kMaxFours][4]) {
@@ -268,7 +267,11 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
   }
 }
 
-template <quant::Codes kKind, int kRanksInFlight>
+// Two ranks' words in flight at a time: 72 registers, 3 blocks an SM. Four (117 registers, 2
+// blocks) measured 13% slower on an H200 (benchmarks/results/NOTES.md).
+constexpr int kRanksInFlight = 2;
+
+template <quant::Codes kKind>
 __global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                                    quant::Divisor divisor, int64_t draws) {
   const int64_t c = warp_chunk(l.chunks_per_shard());
@@ -359,10 +362,8 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
   const c10::cuda::CUDAGuard guard(received.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (layout.chunk <= kWarpChunkLimit) {
-    static const bool four = std::getenv("COMMTUNE_AB_RANKS4") != nullptr;  // AB-EXPERIMENT: remove
     with_codes(layout.kind, [&](auto kind) {
-      auto kernel = four ? reduce_warp_kernel<decltype(kind)::value, 4> : reduce_warp_kernel<decltype(kind)::value, 2>;
-      kernel<<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
+      reduce_warp_kernel<decltype(kind)::value><<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
           received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
           draws);
     });

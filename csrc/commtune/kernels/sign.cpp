@@ -26,7 +26,8 @@ void check_values(const at::Tensor& t, int64_t numel, const char* what) {
 } // namespace
 
 SignLayout SignLayout::of(int64_t numel, int64_t chunk) {
-  TORCH_CHECK(chunk >= 32 && chunk % 32 == 0, "SignSGD: chunk must be a positive multiple of 32, got ", chunk);
+  TORCH_CHECK(chunk >= 32 && chunk % 32 == 0, "SignSGD: chunk must be a positive multiple of 32, got ",
+              std::to_string(chunk));
   SignLayout l;
   l.numel = numel;
   l.chunk = chunk;

@@ -26,15 +26,16 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
               "TopK: the bucket must be a contiguous 1-D floating-point tensor, got ", x.scalar_type(), " ",
               shape_of(x));
   TORCH_CHECK(numel > 0 && numel < (int64_t{1} << 31), "TopK: the bucket must hold 1 to 2^31 - 1 entries, got ",
-              numel);
-  TORCH_CHECK(k >= 1 && k <= numel, "TopK: k must be in [1, ", numel, "], got ", k);
+              std::to_string(numel));
+  TORCH_CHECK(k >= 1 && k <= numel, "TopK: k must be in [1, ", std::to_string(numel), "], got ",
+              std::to_string(k));
   TORCH_CHECK(piece.scalar_type() == at::kInt && piece.is_contiguous() && piece.numel() == 2 * k &&
                   piece.device() == x.device(),
-              "TopK: the piece must be a contiguous int32 tensor of 2k = ", 2 * k, " entries on ", x.device(),
-              ", got ", piece.scalar_type(), " ", shape_of(piece), " on ", piece.device());
+              "TopK: the piece must be a contiguous int32 tensor of 2k = ", std::to_string(2 * k), " entries on ",
+              x.device().str(), ", got ", piece.scalar_type(), " ", shape_of(piece), " on ", piece.device().str());
   TORCH_CHECK(qualifying.scalar_type() == at::kLong && qualifying.numel() == 1 && qualifying.device() == x.device(),
-              "TopK: the count must be one int64 on ", x.device(), ", got ", qualifying.scalar_type(), " ",
-              shape_of(qualifying), " on ", qualifying.device());
+              "TopK: the count must be one int64 on ", x.device().str(), ", got ", qualifying.scalar_type(), " ",
+              shape_of(qualifying), " on ", qualifying.device().str());
   const TopKSample sample = TopKSample::of(numel, k);
 #ifdef COMMTUNE_WITH_CUDA
   if (x.is_cuda()) return threshold_top_k_cuda_(x, k, piece, qualifying, clear, sample);
