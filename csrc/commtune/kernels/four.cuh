@@ -1,6 +1,7 @@
 #pragma once
 // Four consecutive elements as one access: the vector loads and stores the compression kernels
-// use where a lane owns groups of four values (quantize_cuda.cu, sign_cuda.cu).
+// use where a lane owns groups of four values (quantize_cuda.cu, sign_cuda.cu), and the layout
+// they share for chunks of up to 1024 elements: one warp per chunk, up to 8 groups a lane.
 #include <cstdint>
 #include <initializer_list>
 
@@ -38,6 +39,22 @@ __device__ __forceinline__ void store(scalar_t* __restrict__ dst, int64_t at, in
     for (int k = 0; k < 4 && at + k < numel; ++k) dst[at + k] = static_cast<scalar_t>(values[k]);
   }
 }
+
+constexpr int kWarp = 32;
+constexpr int kMaxFours = 8;  // groups of four values a lane holds: 32 values, chunks up to 1024
+constexpr int64_t kWarpChunkLimit = kWarp * kMaxFours * 4;
+
+// Lane `lane`'s i-th group of four starts at element 4 * (lane + 32 i) of its warp's chunk: a
+// warp's accesses of one i are contiguous.
+__device__ __forceinline__ int64_t group_start(int lane, int i) { return 4 * (lane + kWarp * i); }
+
+// This warp's index over the grid (the chunk it owns).
+__device__ __forceinline__ int64_t warp_index() {
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+}
+
+// Blocks of `threads` threads for one warp per chunk.
+inline int64_t warp_blocks(int64_t chunks, int threads) { return (chunks * kWarp + threads - 1) / threads; }
 
 // Whether every access of four elements from these pointers can be one vector access.
 template <typename scalar_t>

@@ -122,9 +122,9 @@ __global__ void dequantize_kernel(uint8_t* __restrict__ packed, scalar_t* __rest
 
 // ---- one warp per chunk (chunk <= 1024) ----------------------------------------------------
 
-constexpr int kWarp = 32;
-constexpr int kMaxFours = 8;  // groups of four values a lane holds: 32 values, chunks up to 1024
-constexpr int64_t kWarpChunkLimit = kWarp * kMaxFours * 4;
+using four::kMaxFours;
+using four::kWarp;
+using four::kWarpChunkLimit;
 
 __device__ __forceinline__ float warp_absmax(float m) {
 #pragma unroll
@@ -134,7 +134,7 @@ __device__ __forceinline__ float warp_absmax(float m) {
 
 // The chunk this warp owns (flat over shards), or -1 past the last.
 __device__ __forceinline__ int64_t warp_chunk(int64_t chunks) {
-  const int64_t g = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int64_t g = four::warp_index();
   return g < chunks ? g : -1;
 }
 
@@ -143,10 +143,9 @@ __device__ __forceinline__ int64_t shard_of(int64_t g, const QuantizeLayout& l) 
   return quant::quotient(g, l.chunks_per_shard());
 }
 
-// Lane `lane`'s i-th group of four starts at element 4 * (lane + 32 i) of the chunk: a warp's
-// accesses of one i are contiguous.
+// The lane's groups as four::group_start places them (a Map for encode_lane).
 struct FloatGroups {
-  __device__ static int64_t start(int lane, int i) { return 4 * (lane + kWarp * i); }
+  __device__ static int64_t start(int lane, int i) { return four::group_start(lane, i); }
 };
 
 // The reduce pass reads codes as 32-bit words: a lane's word t is the chunk's word lane + 32 t,
@@ -329,7 +328,7 @@ void with_codes(quant::Codes kind, F&& f) {
   }
 }
 
-int64_t warp_blocks(int64_t chunks) { return (chunks * kWarp + kThreads - 1) / kThreads; }
+int64_t warp_blocks(int64_t chunks) { return four::warp_blocks(chunks, kThreads); }
 
 size_t chunk_bytes(const QuantizeLayout& l) { return static_cast<size_t>(l.chunk) * sizeof(float); }
 

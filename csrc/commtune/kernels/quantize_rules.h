@@ -210,7 +210,7 @@ COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) {
                        codes);
 }
 
-// Values v[0..3], elements index..index+3 of a chunk (see four_draws), as codes.
+// Values v[0..3], elements index..index+3 of a chunk (see four_random), as codes.
 COMMTUNE_HD void encode_four(const float* v, uint64_t index, int64_t draws, float inverse_scale, Codes codes,
                              int8_t (&q)[4]) {
   uint32_t random[4];

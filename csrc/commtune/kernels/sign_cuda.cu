@@ -45,16 +45,16 @@ __global__ void sign_encode_kernel(const scalar_t* __restrict__ src, scalar_t* e
   }
 }
 
-constexpr int kWarp = 32;
-constexpr int kMaxFours = 8;  // groups of four values a lane holds: chunks up to 1024
-constexpr int64_t kWarpChunkLimit = kWarp * kMaxFours * 4;
+using four::kMaxFours;
+using four::kWarp;
+using four::kWarpChunkLimit;
 
-// A lane's i-th group is elements 4 * (lane + 32 i).. of the chunk, so lanes 8w..8w+7 hold the
-// 32 elements of the group's word w: their four sign bits each are OR-ed together by shuffles.
+// A lane's i-th group is elements four::group_start(lane, i).. of the chunk, so lanes 8w..8w+7
+// hold the 32 elements of the group's word w: their four sign bits each are OR-ed by shuffles.
 template <typename scalar_t>
 __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ piece,
                                         SignLayout l, bool vector) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int64_t c = four::warp_index();
   if (c >= l.chunks()) return;  // the whole warp: chunks are whole warps
   const int lane = threadIdx.x % kWarp;
   const int64_t first = c * l.chunk, count = min(l.chunk, l.numel - first);
@@ -62,7 +62,7 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
   double part = 0;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
-    const int64_t j = 4 * (lane + kWarp * i);
+    const int64_t j = four::group_start(lane, i);
     if (j < l.chunk) {
       four::load(src, first + j, l.numel, vector, v[i]);
     } else {
@@ -78,7 +78,7 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
   if (lane == 0) reinterpret_cast<float*>(bits + l.words())[c] = scale;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
-    const int64_t j = 4 * (lane + kWarp * i);
+    const int64_t j = four::group_start(lane, i);
     uint32_t word = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) word |= (v[i][k] < 0.0f ? 1u : 0u) << (4 * (lane % 8) + k);
@@ -100,7 +100,8 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
 // in registers (one coalesced load of each rank's words, a broadcast load of its scale). The
 // warp then passes its 1024 sums through shared memory so that each lane stores four
 // consecutive ones at a time: the stores to `out` are whole lines. Ranks' loads are issued
-// kRanksInFlight at a time, before any is used.
+// kRanksInFlight at a time, before any is used. The piece's size and where its scales start come
+// from the host (SignLayout computes them with 64-bit divisions).
 constexpr int kRanksInFlight = 4;
 constexpr int kStride = kWarp + 1;  // a row per lane, padded: neither pass meets a bank conflict
 
@@ -141,7 +142,7 @@ __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, sc
   const int64_t warp_first = (word - lane) * 32;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int e = 4 * (lane + kWarp * i);  // of the warp's 1024: row e / 32, four from column e % 32
+    const int64_t e = four::group_start(lane, i);  // of the warp's 1024: row e / 32, four from column e % 32
     float four_sums[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) four_sums[k] = staged[warp][(e / 32) * kStride + e % 32 + k];
@@ -159,7 +160,7 @@ void sign_encode_cuda_(const at::Tensor& src, const at::Tensor& error, const at:
     scalar_t* err = error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr;
     const auto stream = at::cuda::getCurrentCUDAStream();
     if (layout.chunk <= kWarpChunkLimit) {
-      const int64_t blocks = (layout.chunks() * kWarp + kThreads - 1) / kThreads;
+      const int64_t blocks = four::warp_blocks(layout.chunks(), kThreads);
       sign_encode_warp_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(in, err, piece.mutable_data_ptr<uint8_t>(),
                                                                          layout, four::aligned<scalar_t>({in, err}));
     } else {

@@ -25,10 +25,11 @@ from .common import environment, format_rows, write_results
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "resnet50_ddp.py"
 
+DEFAULT = "default DDP (AllReduce)"
 # name -> (flags for the example, the simulator's view). NCCL settings change what the link
 # delivers, which the simulator does not know: it predicts those rows as the default.
 CONFIGS = {
-    "default DDP (AllReduce)": ([], sim.Config("default")),
+    DEFAULT: ([], sim.Config("default")),
     "NCCL tree": (["--nccl-algo", "tree"], sim.Config("tree")),
     "NCCL 16 MiB buffers": (["--nccl-buffsize", "16MiB"], sim.Config("buffsize")),
     "bf16 on the wire": (["--hook", "bf16"], sim.Config("bf16", wire_factor=0.5)),
@@ -36,8 +37,7 @@ CONFIGS = {
     "optimizer overlap": (["--overlap-optimizer"], sim.Config("overlap", overlap_optimizer=True)),
     "accumulate 4": (["--accumulate", "4"], sim.Config("accumulate", accumulation=4)),
 }
-CPU_CONFIGS = ["default DDP (AllReduce)", "bf16 on the wire"]
-DEFAULT = "default DDP (AllReduce)"
+CPU_CONFIGS = [DEFAULT, "bf16 on the wire"]
 # This machine's gloo allreduce on 2 ranks, fitted by benchmarks/plan_buckets.py (plan_buckets.json).
 CPU_LINK = sim.Link("gloo, 2 CPU ranks (fitted)", alpha_us=231.0, busbw_GBps=1.12)
 
