@@ -50,10 +50,10 @@ case "$stage" in
     # memory, issue or latency sets the pace.
     if ! command -v ncu > /dev/null; then echo "ncu (Nsight Compute) is not installed here"; exit 1; fi
     timeout 400 ncu --clock-control none \
-      --kernel-name "regex:reduce_warp_kernel|sign_decode_mean_kernel|sample_threshold_kernel|DeviceSelect|DeviceCompact" \
+      --kernel-name "regex:(^|[^e])quantize_warp_kernel|reduce_warp_kernel|sign_decode_mean_kernel|sample_threshold_kernel|select_kernel" \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis \
-      python benchmarks/compression.py --iters 1 --out "$out/compression_profiled.json" > "$out/ncu_compression.txt" 2>&1
+      python benchmarks/compression.py --iters 1 --no-idle --out "$out/compression_profiled.json" > "$out/ncu_compression.txt" 2>&1
     grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issued Warp" \
       "$out/ncu_compression.txt" | head -80
     ;;

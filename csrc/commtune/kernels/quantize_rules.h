@@ -2,7 +2,7 @@
 // The arithmetic of the quantized codes, shared by the CPU loops and the CUDA kernels so both
 // give the same bits. Every chunk is scaled by its absmax onto the codes' range, then rounded
 // stochastically (unbiased) or to nearest; the random bits come from a counter-based hash of
-// (seed, element index), one hash per pair of elements.
+// (seed, element index), one 64-bit hash per four elements, 16 bits each.
 //   int8: integers in [-127, 127] (0 is exact), floor(y + u) for a uniform draw u (u = 0.5 to
 //         nearest, ties away from zero).
 //   int4: integers in [-7, 7], two per byte (the even element in the low half), stored plus 8.
@@ -91,30 +91,21 @@ COMMTUNE_HD uint64_t mix(uint64_t z) {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 
-// Where pair `pair` of the stream `seed` enters the mixer. Consecutive pairs are kGolden apart,
-// so a run of them costs one 64-bit multiply (point + k * kGolden).
-COMMTUNE_HD uint64_t stream_point(uint64_t seed, uint64_t pair) { return seed + (pair + 1) * kGolden; }
+// Where group `group` (four elements) of the stream `seed` enters the mixer.
+COMMTUNE_HD uint64_t stream_point(uint64_t seed, uint64_t group) { return seed + (group + 1) * kGolden; }
 
-// A draw in [0, 1) from 24 random bits (0x800000: one half, rounding to nearest).
-COMMTUNE_HD float uniform_of(uint32_t bits24) { return static_cast<float>(bits24) * (1.0f / 16777216.0f); }
+// 16 random bits for each of elements index..index+3 of the stream `seed` (index a multiple of
+// 4), or kHalf16 each when seed < 0 (rounding to nearest): the four quarters of one mix, which is
+// most of a draw's cost. 16 bits bound the rounding's bias by 2^-16 of a step.
+constexpr uint32_t kHalf16 = 0x8000u;
 
-constexpr uint32_t kHalf24 = 0x800000u;
-
-// 24 random bits for each of elements index..index+3 of the stream `seed` (index a multiple of 4),
-// or kHalf24 each when seed < 0 (rounding to nearest). Elements 2m and 2m+1 share pair m's mix,
-// the top and the bottom 24 of its bits: the mixing, most of a draw's cost, is paid once per two
-// elements.
 COMMTUNE_HD void four_random(int64_t seed, uint64_t index, uint32_t (&random)[4]) {
   if (seed < 0) {
-    for (int k = 0; k < 4; ++k) random[k] = kHalf24;
+    for (int k = 0; k < 4; ++k) random[k] = kHalf16;
     return;
   }
-  const uint64_t point = stream_point(static_cast<uint64_t>(seed), index / 2);
-  const uint64_t a = mix(point), b = mix(point + kGolden);
-  random[0] = static_cast<uint32_t>(a >> 40);
-  random[1] = static_cast<uint32_t>(a) & 0xFFFFFFu;
-  random[2] = static_cast<uint32_t>(b >> 40);
-  random[3] = static_cast<uint32_t>(b) & 0xFFFFFFu;
+  const uint64_t z = mix(stream_point(static_cast<uint64_t>(seed), index / 4));
+  for (int k = 0; k < 4; ++k) random[k] = static_cast<uint32_t>(z >> (16 * k)) & 0xFFFFu;
 }
 
 COMMTUNE_HD uint32_t float_bits(float value) {
@@ -128,6 +119,11 @@ COMMTUNE_HD float float_from_bits(uint32_t bits) {
   memcpy(&value, &bits, sizeof value);
   return value;
 }
+
+// A draw in [0, 1) from 16 random bits (0x8000: one half, rounding to nearest): the float
+// 1 + bits * 2^-16, its bits laid into the mantissa's top, less 1. Exact, and the GPU needs no
+// int-to-float conversion (a quarter of the adders' rate).
+COMMTUNE_HD float uniform_of(uint32_t bits16) { return add(float_from_bits(0x3F800000u | bits16 << 7), -1.0f); }
 
 #if defined(__CUDACC__)
 // n from the float 2^23 + n + bias, whose bits are 0x4B000000 | (n + bias).
@@ -161,7 +157,7 @@ COMMTUNE_HD float scale_of(float absmax, Codes codes) { return div(absmax, top_o
 COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) : 0.0f; }
 
 // y (already scaled, |y| <= 448 up to rounding) as an e4m3fn byte: 3 mantissa bits, exponent
-// bias 7, subnormals below 2^-6 in steps of 2^-9. `random`: 24 random bits (ignored to nearest).
+// bias 7, subnormals below 2^-6 in steps of 2^-9. `random`: 16 random bits (ignored to nearest).
 COMMTUNE_HD uint8_t encode_e4m3(float y, uint32_t random, bool nearest) {
   const float a = fminf(fabsf(y), 448.0f);
   const uint32_t bits = float_bits(a);
@@ -170,8 +166,9 @@ COMMTUNE_HD uint8_t encode_e4m3(float y, uint32_t random, bool nearest) {
     const float steps = mul(a, 512.0f);  // exact
     magnitude = static_cast<uint32_t>(nearest ? rintf(steps) : floorf(add(steps, uniform_of(random))));
   } else {
-    // 20 bits below the kept ones; to nearest, half of them plus the kept lowest bit (ties to even)
-    const uint32_t below = nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random >> 4;
+    // 20 bits below the kept ones (the random bits at their top); to nearest, half of them plus
+    // the kept lowest bit (ties to even)
+    const uint32_t below = nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random << 4;
     // fp32 exponent 127 + e becomes e4m3's 7 + e; 448 = 0x43E00000 never carries past 0x7E
     magnitude = ((bits + below) >> 20) - (120u << 3);
   }
@@ -187,7 +184,7 @@ COMMTUNE_HD float decode_e4m3(uint8_t code) {
   return float_from_bits(float_bits(magnitude) | static_cast<uint32_t>(code & 0x80u) << 24);
 }
 
-// x as a code (the byte, for e4m3), given the chunk's inverse scale and 24 random bits.
+// x as a code (the byte, for e4m3), given the chunk's inverse scale and 16 random bits.
 COMMTUNE_HD int8_t encode(float x, float inverse_scale, uint32_t random, bool nearest, Codes codes) {
   if (codes == Codes::e4m3) return static_cast<int8_t>(encode_e4m3(mul(x, inverse_scale), random, nearest));
   const float y = floorf(add(mul(x, inverse_scale), uniform_of(random)));

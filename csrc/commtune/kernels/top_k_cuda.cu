@@ -1,8 +1,12 @@
-// CUDA side of threshold_top_k_ (checks and the CPU loop in top_k.cpp): one block finds the
-// sample's threshold by a radix select, then CUB's single-pass select (a decoupled look-back
-// scan, so the picks come out in index order) walks the bucket once, reading its entries as the
-// flags of the positions 0..numel-1 (vector loads; a predicate on the position would load one
-// entry per thread per step), and every pick past the first k is dropped where it is written.
+// CUDA side of threshold_top_k_ (checks and the CPU loop in top_k.cpp), two kernels:
+// 1. One block finds the sample's threshold a bit at a time from the top: the want-th largest
+//    key is the largest t with at least `want` keys >= t (non-negative floats order as their
+//    bits), 31 block-wide counts. It also clears the select pass's tile states.
+// 2. One pass over the bucket in tiles of 4096 entries. A block counts its tile's qualifying
+//    entries, learns how many qualified in the tiles before it (a decoupled look-back: each tile
+//    posts its own count at once and its running total when it knows it, so a block rarely
+//    waits for more than its neighbour), and writes its picks that fall below k, in index order.
+#include <commtune/kernels/four.cuh>
 #include <commtune/kernels/quantize_rules.h>
 #include <commtune/kernels/top_k.h>
 
@@ -10,138 +14,192 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cub/device/device_select.cuh>
-#include <thrust/iterator/counting_iterator.h>
 
-#include <cstddef>
-#include <iterator>
+#include <cstdint>
 
 namespace commtune {
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kKeysPerThread = static_cast<int>(kTopKSample / kThreads);
-constexpr int kDigitBits = 8;
-constexpr int kBins = 1 << kDigitBits;
+constexpr unsigned kFull = 0xffffffffu;
 
-// The `want`-th largest |x| of the sample into *threshold. Non-negative floats order as their
-// bits, so the select runs on the bits, eight of them a round from the top: each round counts
-// the sample's keys that share the prefix found so far, by their next digit, and keeps the digit
-// where the count from the top reaches `want`.
+__device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+// ---- select pass layout ----------------------------------------------------------------
+constexpr int kSelectThreads = 256;
+constexpr int kGroups = 4;  // groups of four entries a thread holds
+constexpr int64_t kTile = kSelectThreads * kGroups * 4;
+
+// A tile's state, one 64-bit word so it is written and read whole: the top two bits say what the
+// low 32 count. 0: nothing posted yet.
+constexpr uint64_t kOwnCount = 1ull << 62;      // the tile's own qualifying entries
+constexpr uint64_t kRunningTotal = 2ull << 62;  // those of every tile up to and including it
+constexpr uint64_t kKindBits = 3ull << 62;
+
+// Scratch of one call: the tiles' states, then a word holding the next tile to hand out (low
+// half) and the threshold's bits (high half).
+struct Scratch {
+  uint64_t* states;
+  int64_t tiles;
+  __device__ uint32_t* next_tile() const { return reinterpret_cast<uint32_t*>(states + tiles); }
+  __device__ float* threshold() const { return reinterpret_cast<float*>(states + tiles) + 1; }
+};
+
+// ---- 1. the sample's threshold ------------------------------------------------------------
+constexpr int kSampleThreads = 1024;
+constexpr int kKeysPerThread = static_cast<int>(kTopKSample / kSampleThreads);
+
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) sample_threshold_kernel(const scalar_t* __restrict__ x, TopKSample sample,
-                                                                    float* threshold) {
-  __shared__ uint32_t bins[kBins];
-  __shared__ uint32_t chosen_prefix, still_wanted;
+__global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const scalar_t* __restrict__ x, TopKSample sample,
+                                                                          Scratch scratch) {
+  __shared__ uint32_t warp_counts[2][kSampleThreads / 32];
   uint32_t keys[kKeysPerThread];
 #pragma unroll
   for (int j = 0; j < kKeysPerThread; ++j) {
-    const int64_t s = threadIdx.x + static_cast<int64_t>(kThreads) * j;
+    const int64_t s = threadIdx.x + static_cast<int64_t>(kSampleThreads) * j;
+    // past the sample: 0, never counted (every candidate tried is at least 1)
     keys[j] = s < sample.size ? quant::float_bits(fabsf(static_cast<float>(x[s * sample.stride]))) : 0u;
   }
-  // Keys past the sample are 0, the smallest: with want <= size they are never the one sought.
-  if (threadIdx.x == 0) {
-    chosen_prefix = 0;
-    still_wanted = static_cast<uint32_t>(sample.want);
-  }
-  uint32_t mask = 0;
-  for (int shift = 32 - kDigitBits; shift >= 0; shift -= kDigitBits) {
-    for (int b = threadIdx.x; b < kBins; b += kThreads) bins[b] = 0;
-    __syncthreads();
-    const uint32_t prefix = chosen_prefix;
+  for (int64_t t = threadIdx.x; t <= scratch.tiles; t += kSampleThreads) scratch.states[t] = 0;
+  const uint32_t want = static_cast<uint32_t>(sample.want);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t found = 0;
+  // |x| has no sign bit: bit 30 is the top one. Two count buffers, so one barrier a bit: a warp
+  // writes a buffer again only after every warp has passed the barrier of the bit between.
+  for (int bit = 30; bit >= 0; --bit) {
+    const uint32_t candidate = found | 1u << bit;
+    uint32_t mine = 0;
 #pragma unroll
-    for (int j = 0; j < kKeysPerThread; ++j) {
-      // Lanes with the same digit add once (shared-memory atomics on one address serialize);
-      // after the first round most warps hold no key under the prefix and skip the match.
-      const bool under = (keys[j] & mask) == prefix;
-      if (!__any_sync(0xffffffffu, under)) continue;
-      const uint32_t digit = under ? (keys[j] >> shift) & (kBins - 1) : kBins;
-      const uint32_t same = __match_any_sync(0xffffffffu, digit);
-      if (under && (threadIdx.x % 32) == __ffs(same) - 1) atomicAdd(&bins[digit], __popc(same));
-    }
+    for (int j = 0; j < kKeysPerThread; ++j) mine += keys[j] >= candidate;
+    const uint32_t in_warp = warp_sum(mine);
+    uint32_t* counts = warp_counts[bit % 2];
+    if (lane == 0) counts[warp] = in_warp;
     __syncthreads();
-    if (threadIdx.x < 32) {
-      // Lane l holds digits 255 - 8l down to 248 - 8l: counts from the top in lane order.
-      const int lane = threadIdx.x, per_lane = kBins / 32;
-      uint32_t mine = 0;
-      for (int d = 0; d < per_lane; ++d) mine += bins[kBins - 1 - lane * per_lane - d];
-      uint32_t above = mine;  // inclusive prefix over lanes
-      for (int o = 1; o < 32; o *= 2) {
-        const uint32_t other = __shfl_up_sync(0xffffffffu, above, o);
-        if (lane >= o) above += other;
-      }
-      const uint32_t wanted = still_wanted;
-      const uint32_t reached = __ballot_sync(0xffffffffu, above >= wanted);
-      if (lane == __ffs(reached) - 1) {
-        uint32_t count = above - mine;  // keys in higher lanes' digits
-        for (int d = 0; d < per_lane; ++d) {
-          const uint32_t digit = kBins - 1 - lane * per_lane - d;
-          if (count + bins[digit] >= wanted) {
-            chosen_prefix = prefix | digit << shift;
-            still_wanted = wanted - count;
-            break;
-          }
-          count += bins[digit];
-        }
-      }
-    }
-    __syncthreads();
-    mask |= static_cast<uint32_t>(kBins - 1) << shift;
+    uint32_t total = 0;
+#pragma unroll
+    for (int w = 0; w < kSampleThreads / 32; ++w) total += counts[w];
+    if (total >= want) found = candidate;  // the same in every thread
   }
-  if (threadIdx.x == 0) *threshold = quant::float_from_bits(chosen_prefix);
+  __syncthreads();  // the states are cleared before the threshold says the pass may start
+  if (threadIdx.x == 0) *scratch.threshold() = quant::float_from_bits(found);
 }
 
-// Applied to the bucket's entries, which CUB reads as the flags of the positions 0..numel-1.
-template <typename scalar_t>
-struct Qualifies {
-  const float* threshold;
-  __device__ bool operator()(const scalar_t& v) const { return fabsf(static_cast<float>(v)) >= *threshold; }
-};
+// ---- 2. the select pass --------------------------------------------------------------------
+__device__ __forceinline__ uint64_t read_state(const uint64_t* state) {
+  return *reinterpret_cast<const volatile uint64_t*>(state);
+}
 
-// Where CUB writes the n-th pick: slot n of the piece while n < k, nowhere after. A write sends
-// the entry (value and index) and, with `clear`, takes it out of the error buffer.
-template <typename scalar_t>
-struct Slot {
-  scalar_t* x;
+__device__ __forceinline__ void post_state(uint64_t* state, uint64_t value) {
+  *reinterpret_cast<volatile uint64_t*>(state) = value;
+}
+
+// How many entries qualified in the tiles before `tile` (> 0), by warp 0 of its block. Lane l
+// looks at tile - 1 - l (waiting until it has posted), the warp adds counts up to the nearest
+// tile that posted a running total, and moves 32 tiles back while none has.
+__device__ uint32_t qualified_before(const uint64_t* states, int64_t tile, int lane) {
+  uint32_t before = 0;
+  for (int64_t end = tile - 1;; end -= 32) {
+    const int64_t t = end - lane;
+    uint64_t s = t >= 0 ? read_state(states + t) : kRunningTotal;  // before tile 0: a total of 0
+    while ((s & kKindBits) == 0) s = read_state(states + t);
+    const uint32_t totals = __ballot_sync(kFull, (s & kKindBits) == kRunningTotal);
+    const int stop = totals != 0 ? __ffs(totals) - 1 : 31;
+    before += warp_sum(lane <= stop ? static_cast<uint32_t>(s) : 0u);
+    if (totals != 0) return before;
+  }
+}
+
+// The picks go to values[n], indices[n] for the n-th qualifying entry while n < k.
+struct Picks {
   float* values;
   int32_t* indices;
-  bool clear;
-  int64_t n, k;
-  __device__ Slot& operator=(int32_t i) {
-    if (n < k) {
-      values[n] = static_cast<float>(x[i]);
-      indices[n] = i;
-      if (clear) x[i] = scalar_t(0);
-    }
-    return *this;
-  }
+  int64_t k;
+  int64_t* qualifying;
 };
 
+// Field g (16 bits) of a packed count holds group g's count: a block's per-group counts
+// (<= 1024) scan in one 64-bit word.
+__device__ __forceinline__ uint32_t field(uint64_t packed, int g) { return static_cast<uint32_t>(packed >> (16 * g)) & 0xFFFFu; }
+
 template <typename scalar_t>
-struct Slots {
-  using iterator_category = std::random_access_iterator_tag;
-  using value_type = void;
-  using difference_type = std::ptrdiff_t;
-  using pointer = void;
-  using reference = Slot<scalar_t>;
-  Slot<scalar_t> first;
-  __host__ __device__ Slot<scalar_t> operator[](difference_type n) const {
-    Slot<scalar_t> s = first;
-    s.n += n;
-    return s;
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(scalar_t* __restrict__ x, int64_t numel, Scratch scratch,
+                                                                Picks picks, bool clear, bool vector) {
+  __shared__ uint64_t warp_packed[kSelectThreads / 32];
+  __shared__ uint32_t tile_shared, before_shared;
+  // Tiles are handed out in the order blocks start, so every tile a block waits on has started.
+  if (threadIdx.x == 0) tile_shared = atomicAdd(scratch.next_tile(), 1u);
+  __syncthreads();
+  const int64_t tile = tile_shared;
+  const float threshold = *scratch.threshold();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Group g of this thread: entries at + 4 * (threadIdx.x + kSelectThreads * g) .. + 3, so a
+  // warp's loads of one g are contiguous; index order is (g, thread, entry).
+  const int64_t at = tile * kTile + 4 * threadIdx.x;
+  float v[kGroups][4];
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) four::load(x, at + 4 * kSelectThreads * g, numel, vector, v[g]);
+  uint32_t flags = 0;  // bit 4g + e: entry e of group g qualifies
+  uint64_t packed = 0;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t i = at + 4 * kSelectThreads * g + e;
+      if (i < numel && fabsf(v[g][e]) >= threshold) flags |= 1u << (4 * g + e);
+    }
+    packed |= static_cast<uint64_t>(__popc((flags >> (4 * g)) & 15u)) << (16 * g);
   }
-  __host__ __device__ Slot<scalar_t> operator*() const { return first; }
-  __host__ __device__ Slots operator+(difference_type n) const {
-    Slots s = *this;
-    s.first.n += n;
-    return s;
+  // Exclusive scan of the packed counts over the block: the warp's, then the warps' before it.
+  uint64_t inclusive = packed;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const uint64_t other = __shfl_up_sync(kFull, inclusive, o);
+    if (lane >= o) inclusive += other;
   }
-  __host__ __device__ Slots& operator+=(difference_type n) {
-    first.n += n;
-    return *this;
+  if (lane == 31) warp_packed[warp] = inclusive;
+  __syncthreads();
+  uint64_t exclusive = inclusive - packed, block = 0;
+#pragma unroll
+  for (int w = 0; w < kSelectThreads / 32; ++w) {
+    if (w < warp) exclusive += warp_packed[w];
+    block += warp_packed[w];
   }
-  __host__ __device__ Slots& operator++() { return *this += 1; }
-};
+  const uint32_t own = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
+  if (warp == 0) {
+    uint32_t before = 0;
+    if (tile == 0) {
+      if (lane == 0) post_state(scratch.states, kRunningTotal | own);
+    } else {
+      if (lane == 0) post_state(scratch.states + tile, kOwnCount | own);
+      before = qualified_before(scratch.states, tile, lane);
+      if (lane == 0) post_state(scratch.states + tile, kRunningTotal | (before + own));
+    }
+    if (lane == 0) {
+      before_shared = before;
+      if (tile == scratch.tiles - 1) *picks.qualifying = static_cast<int64_t>(before) + own;
+    }
+  }
+  __syncthreads();
+  int64_t n = before_shared;  // the n of this thread's next pick, group by group
+  if (flags == 0 || n >= picks.k) return;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    int64_t slot = n + field(exclusive, g);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!(flags >> (4 * g + e) & 1u) || slot >= picks.k) continue;
+      const int64_t i = at + 4 * kSelectThreads * g + e;
+      picks.values[slot] = v[g][e];
+      picks.indices[slot] = static_cast<int32_t>(i);
+      if (clear) x[i] = scalar_t(0);
+      ++slot;
+    }
+    n += field(block, g);
+  }
+}
 
 } // namespace
 
@@ -150,24 +208,20 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t numel = x.numel();
+  // unused slots send value 0 at index 0
   C10_CUDA_CHECK(cudaMemsetAsync(piece.mutable_data_ptr(), 0, piece.nbytes(), stream));
-  at::Tensor threshold = at::empty({1}, x.options().dtype(at::kFloat));
+  const int64_t tiles = (numel + kTile - 1) / kTile;
+  at::Tensor states = at::empty({tiles + 1}, x.options().dtype(at::kLong));
+  const Scratch scratch{reinterpret_cast<uint64_t*>(states.mutable_data_ptr<int64_t>()), tiles};
+  int32_t* out = piece.mutable_data_ptr<int32_t>();
+  const Picks picks{reinterpret_cast<float*>(out), out + k, k, qualifying.mutable_data_ptr<int64_t>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
-    float* t = threshold.mutable_data_ptr<float>();
-    sample_threshold_kernel<scalar_t><<<1, kThreads, 0, stream>>>(in, sample, t);
+    sample_threshold_kernel<scalar_t><<<1, kSampleThreads, 0, stream>>>(in, sample, scratch);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    int32_t* out = piece.mutable_data_ptr<int32_t>();
-    const Slots<scalar_t> slots{Slot<scalar_t>{in, reinterpret_cast<float*>(out), out + k, clear, 0, k}};
-    const thrust::counting_iterator<int32_t> positions(0);
-    const Qualifies<scalar_t> qualifies{t};
-    int64_t* count = qualifying.mutable_data_ptr<int64_t>();
-    size_t scratch_bytes = 0;
-    C10_CUDA_CHECK(
-        cub::DeviceSelect::FlaggedIf(nullptr, scratch_bytes, positions, in, slots, count, numel, qualifies, stream));
-    at::Tensor scratch = at::empty({static_cast<int64_t>(scratch_bytes)}, x.options().dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceSelect::FlaggedIf(scratch.mutable_data_ptr(), scratch_bytes, positions, in, slots, count,
-                                                numel, qualifies, stream));
+    select_kernel<scalar_t><<<tiles, kSelectThreads, 0, stream>>>(in, numel, scratch, picks, clear,
+                                                                  four::aligned<scalar_t>({in}));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -70,19 +70,27 @@ def format_rows(header, rows):
     return "\n".join([line(header)] + [line(r) for r in rows])
 
 
-def cuda_time_ms(fn, iters, warmup=3):
-    """Median of `iters` CUDA-event timings of fn()."""
+def cuda_time_ms(fn, iters, warmup=3, queued=False):
+    """Median of `iters` CUDA-event timings of fn(), from an idle device: the time includes the
+    host's launch latency (the device waits for each launch). With `queued`, each call is
+    enqueued behind a spin kernel (about a millisecond) so the device runs it back to back, as
+    in a training step where earlier work hides the launches: the kernels' own time."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+SPIN_CYCLES = 2_000_000  # about 1 ms at H200 clocks: longer than enqueueing any pass timed here
 
 
 def init_gpu_process_group(port):

@@ -6,7 +6,11 @@ Bandwidth counts the bytes a pass must read and write once: quantize reads the b
 writes the codes, the scales and the error buffer; reduce reads the ranks' encoded shards and
 writes one; dequantize reads the encoded bucket and writes the bucket. The reduce pass of a
 real step handles one shard (1/ranks of the bucket); it is also timed on a shard as large as
-the whole bucket, where its launch and tail no longer dominate.
+the whole bucket, where its tail no longer dominates.
+
+Each pass is timed twice: "ms" as the device runs it, queued behind a spin kernel (in a step,
+earlier work hides the host's launches; the bar is on this time), and "ms_from_idle" from an idle
+device, host launch latency included (what the sixth and seventh sessions reported).
 """
 import argparse
 
@@ -72,7 +76,7 @@ def sparsifier_passes(numel, ranks, chunk, device):
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
 
 
-def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3")):
+def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), from_idle=True):
     src = torch.randn(numel, device=device)
     copy = torch.empty_like(src)
     passes = {"device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel)}
@@ -86,11 +90,15 @@ def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3")):
     passes.update(sparsifiers)
     rows = {}
     for name, (fn, nbytes) in passes.items():
-        ms = cuda_time_ms(fn, iters)
-        rows[name] = {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6}
+        ms = cuda_time_ms(fn, iters, queued=True)
+        idle = cuda_time_ms(fn, iters) if from_idle else float("nan")
+        rows[name] = {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
+                      "ms_from_idle": idle, "GBps_from_idle": nbytes / idle / 1e6}
     copy_bw = rows["device-to-device copy fp32"]["GBps"]
+    copy_idle = rows["device-to-device copy fp32"]["GBps_from_idle"]
     for row in rows.values():
         row["fraction_of_copy_bw"] = row["GBps"] / copy_bw
+        row["fraction_of_copy_bw_from_idle"] = row["GBps_from_idle"] / copy_idle
     # the threshold selection's count error on this bucket (normal entries)
     wire["topk_threshold_qualifying_per_k"] = int(qualifying.item()) / k
     return rows, wire
@@ -103,13 +111,15 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="benchmarks/results/compression.json")
+    p.add_argument("--no-idle", action="store_true", help="skip the timing from an idle device (for profilers)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("compression.py times CUDA kernels: it needs a GPU")
     numel = int(args.mb * 1e6) // 4
-    rows, wire = measure(numel, args.ranks, args.chunk, args.iters, torch.device("cuda"))
-    print(format_rows(["pass", "ms", "GB/s", "of copy"],
-                      [[n, f"{r['ms']:.4f}", f"{r['GBps']:.0f}", f"{100 * r['fraction_of_copy_bw']:.1f}%"]
+    rows, wire = measure(numel, args.ranks, args.chunk, args.iters, torch.device("cuda"), from_idle=not args.no_idle)
+    print(format_rows(["pass", "ms", "GB/s", "of copy", "ms from idle", "of copy from idle"],
+                      [[n, f"{r['ms']:.4f}", f"{r['GBps']:.0f}", f"{100 * r['fraction_of_copy_bw']:.1f}%",
+                        f"{r['ms_from_idle']:.4f}", f"{100 * r['fraction_of_copy_bw_from_idle']:.1f}%"]
                        for n, r in rows.items()]))
     for kind in ("int8", "int4", "e4m3"):
         print(f"bytes on the wire per rank ({args.ranks} ranks): Quantize {kind} {wire[f'{kind}_bytes_per_rank']:.0f}, "
