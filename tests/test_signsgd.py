@@ -118,6 +118,29 @@ def test_cuda_and_cpu_encodings_agree():
                                rtol=1e-6, atol=0)  # scales: the same float64 sum, in another order
 
 
+@needs_cuda
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("chunk,ranks,dtype", [(1024, 8, torch.float32), (2048, 3, torch.float32), (1024, 1, torch.float32),
+                                               (1024, 5, torch.float16), (1024, 11, torch.float32), (256, 8, torch.float32)])
+def test_cuda_decoding_equals_the_cpu_bit_for_bit(chunk, ranks, dtype):
+    """CUDA decodes by a table of sign patterns (chunks of whole multiples of 1024, up to 8 ranks)
+    or rank by rank; either way the same sums, in the same order, as the CPU."""
+    numel = 5 * 2048 + 96  # the last chunk cut short, and the last warp's words past the bucket
+    pieces = []
+    for r in range(ranks):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) * (r + 1)
+        piece = torch.empty(_C.sign_piece_bytes(numel, chunk), dtype=torch.uint8)
+        _C.sign_encode_(x, None, piece, chunk)
+        pieces.append(piece)
+    gathered = torch.cat(pieces)
+    on_cpu = torch.empty(numel, dtype=dtype)
+    _C.sign_decode_mean_(gathered, on_cpu, ranks, chunk)
+    on_cuda = torch.empty(numel, dtype=dtype, device="cuda")
+    _C.sign_decode_mean_(gathered.cuda(), on_cuda, ranks, chunk)
+    assert torch.equal(on_cuda.cpu(), on_cpu)
+    assert len(on_cpu.unique()) > 2 ** min(ranks, 6) // 2  # many sign patterns were decoded
+
+
 def test_bad_values_are_refused():
     import commtune as ct
 

@@ -53,6 +53,23 @@ def test_picks_follow_the_rule(device, numel, k, clear):
     assert torch.equal(on.cpu(), expected)  # cleared where taken, untouched elsewhere
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_picks_follow_the_rule_when_they_crowd_together(device):
+    # Every qualifying entry in 20000 of 300000: on CUDA, each of those tiles of 4096 holds more
+    # than the slots kept for it (about twice the expected count) and is read again.
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
+    x[100_000:120_000] *= 1000
+    k = 3000
+    values, indices, qualifying = rule(x, k)
+    on = x.to(device)
+    got_values, got_indices, got_qualifying = pick(on, k, True)
+    assert got_qualifying == qualifying and qualifying > 2 * 128 * 20_000 // 4096  # beyond the slots
+    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+    expected = x.clone()
+    expected[indices[: min(qualifying, k)].long()] = 0
+    assert torch.equal(on.cpu(), expected)
+
+
 def test_a_bucket_within_the_sample_picks_the_exact_top_k():
     x = torch.randn(5000, generator=torch.Generator().manual_seed(1))  # no ties
     values, indices, qualifying = pick(x, 50, False)

@@ -1,11 +1,13 @@
-// CUDA side of threshold_top_k_ (checks and the CPU loop in top_k.cpp), two kernels:
-// 1. One block finds the sample's threshold a bit at a time from the top: the want-th largest
-//    key is the largest t with at least `want` keys >= t (non-negative floats order as their
-//    bits), 31 block-wide counts. It also clears the select pass's tile states.
-// 2. One pass over the bucket in tiles of 4096 entries. A block counts its tile's qualifying
-//    entries, learns how many qualified in the tiles before it (a decoupled look-back: each tile
-//    posts its own count at once and its running total when it knows it, so a block rarely
-//    waits for more than its neighbour), and writes its picks that fall below k, in index order.
+// CUDA side of threshold_top_k_ (checks and the CPU loop in top_k.cpp), three kernels:
+// 1. Many blocks gather the sample, then one block finds its threshold a bit at a time from the
+//    top: the want-th largest key is the largest t with at least `want` keys >= t (non-negative
+//    floats order as their bits), 31 block-wide counts.
+// 2. The bucket streams through once in tiles of 4096 entries, with no block waiting on another:
+//    each block counts its tile's qualifying entries and writes them, in index order, to the
+//    tile's slots in a scratch buffer (room for twice the expected number).
+// 3. Blocks of 32 tiles add up the counts before them and copy each tile's entries to their
+//    places among the first k (and clear them from the bucket). A tile with more qualifying
+//    entries than slots is read again from the bucket by the warp that places it.
 #include <commtune/kernels/four.cuh>
 #include <commtune/kernels/quantize_rules.h>
 #include <commtune/kernels/top_k.h>
@@ -15,6 +17,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace commtune {
@@ -28,42 +31,42 @@ __device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
   return v;
 }
 
-// ---- select pass layout ----------------------------------------------------------------
-constexpr int kSelectThreads = 256;
-constexpr int kGroups = 4;  // groups of four entries a thread holds
-constexpr int64_t kTile = kSelectThreads * kGroups * 4;
+constexpr int kThreads = 256;
+constexpr int kGroups = 4;  // groups of four entries a thread of the streaming pass holds
+constexpr int64_t kTile = kThreads * kGroups * 4;
+constexpr int kTilesPerBlock = 32;  // of the placing pass: four a warp
 
-// A tile's state, one 64-bit word so it is written and read whole: the top two bits say what the
-// low 32 count. 0: nothing posted yet.
-constexpr uint64_t kOwnCount = 1ull << 62;      // the tile's own qualifying entries
-constexpr uint64_t kRunningTotal = 2ull << 62;  // those of every tile up to and including it
-constexpr uint64_t kKindBits = 3ull << 62;
-
-// Scratch of one call: the tiles' states, then a word holding the next tile to hand out (low
-// half) and the threshold's bits (high half).
+// One call's scratch: each tile's slots for its entries (value bits, index), its count, the
+// sample's keys and the threshold.
 struct Scratch {
-  uint64_t* states;
+  int2* slots;  // tiles x capacity
+  uint32_t* counts;
+  uint32_t* keys;  // kTopKSample
+  float* threshold;
   int64_t tiles;
-  __device__ uint32_t* next_tile() const { return reinterpret_cast<uint32_t*>(states + tiles); }
-  __device__ float* threshold() const { return reinterpret_cast<float*>(states + tiles) + 1; }
+  int capacity;
 };
 
 // ---- 1. the sample's threshold ------------------------------------------------------------
 constexpr int kSampleThreads = 1024;
 constexpr int kKeysPerThread = static_cast<int>(kTopKSample / kSampleThreads);
 
+// The sample's keys (|x| as bits; 0 past the sample, never counted since every candidate tried
+// is at least 1), gathered by many blocks: entries a stride apart are each a DRAM access of
+// their own, which one block would issue too few of at a time.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const scalar_t* __restrict__ x, TopKSample sample,
-                                                                          Scratch scratch) {
+__global__ void sample_keys_kernel(const scalar_t* __restrict__ x, TopKSample sample, uint32_t* keys) {
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (s < kTopKSample) keys[s] = s < sample.size ? quant::float_bits(fabsf(static_cast<float>(x[s * sample.stride]))) : 0u;
+}
+
+__global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const uint32_t* __restrict__ sampled,
+                                                                          TopKSample sample, float* threshold) {
+  static_assert(kSampleThreads / 32 == 32, "a warp adds up the warps' counts");
   __shared__ uint32_t warp_counts[2][kSampleThreads / 32];
   uint32_t keys[kKeysPerThread];
 #pragma unroll
-  for (int j = 0; j < kKeysPerThread; ++j) {
-    const int64_t s = threadIdx.x + static_cast<int64_t>(kSampleThreads) * j;
-    // past the sample: 0, never counted (every candidate tried is at least 1)
-    keys[j] = s < sample.size ? quant::float_bits(fabsf(static_cast<float>(x[s * sample.stride]))) : 0u;
-  }
-  for (int64_t t = threadIdx.x; t <= scratch.tiles; t += kSampleThreads) scratch.states[t] = 0;
+  for (int j = 0; j < kKeysPerThread; ++j) keys[j] = sampled[threadIdx.x + kSampleThreads * j];
   const uint32_t want = static_cast<uint32_t>(sample.want);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   uint32_t found = 0;
@@ -74,81 +77,43 @@ __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const 
     uint32_t mine = 0;
 #pragma unroll
     for (int j = 0; j < kKeysPerThread; ++j) mine += keys[j] >= candidate;
-    const uint32_t in_warp = warp_sum(mine);
     uint32_t* counts = warp_counts[bit % 2];
+    const uint32_t in_warp = warp_sum(mine);
     if (lane == 0) counts[warp] = in_warp;
     __syncthreads();
-    uint32_t total = 0;
-#pragma unroll
-    for (int w = 0; w < kSampleThreads / 32; ++w) total += counts[w];
-    if (total >= want) found = candidate;  // the same in every thread
+    if (warp_sum(counts[lane]) >= want) found = candidate;  // the same in every thread
   }
-  __syncthreads();  // the states are cleared before the threshold says the pass may start
-  if (threadIdx.x == 0) *scratch.threshold() = quant::float_from_bits(found);
+  if (threadIdx.x == 0) *threshold = quant::float_from_bits(found);
 }
 
-// ---- 2. the select pass --------------------------------------------------------------------
-__device__ __forceinline__ uint64_t read_state(const uint64_t* state) {
-  return *reinterpret_cast<const volatile uint64_t*>(state);
-}
-
-__device__ __forceinline__ void post_state(uint64_t* state, uint64_t value) {
-  *reinterpret_cast<volatile uint64_t*>(state) = value;
-}
-
-// How many entries qualified in the tiles before `tile` (> 0), by warp 0 of its block. Lane l
-// looks at tile - 1 - l (waiting until it has posted), the warp adds counts up to the nearest
-// tile that posted a running total, and moves 32 tiles back while none has.
-__device__ uint32_t qualified_before(const uint64_t* states, int64_t tile, int lane) {
-  uint32_t before = 0;
-  for (int64_t end = tile - 1;; end -= 32) {
-    const int64_t t = end - lane;
-    uint64_t s = t >= 0 ? read_state(states + t) : kRunningTotal;  // before tile 0: a total of 0
-    while ((s & kKindBits) == 0) s = read_state(states + t);
-    const uint32_t totals = __ballot_sync(kFull, (s & kKindBits) == kRunningTotal);
-    const int stop = totals != 0 ? __ffs(totals) - 1 : 31;
-    before += warp_sum(lane <= stop ? static_cast<uint32_t>(s) : 0u);
-    if (totals != 0) return before;
-  }
-}
-
-// The picks go to values[n], indices[n] for the n-th qualifying entry while n < k.
-struct Picks {
-  float* values;
-  int32_t* indices;
-  int64_t k;
-  int64_t* qualifying;
-};
-
+// ---- 2. the streaming pass -----------------------------------------------------------------
 // Field g (16 bits) of a packed count holds group g's count: a block's per-group counts
 // (<= 1024) scan in one 64-bit word.
-__device__ __forceinline__ uint32_t field(uint64_t packed, int g) { return static_cast<uint32_t>(packed >> (16 * g)) & 0xFFFFu; }
+__device__ __forceinline__ uint32_t field(uint64_t packed, int g) {
+  return static_cast<uint32_t>(packed >> (16 * g)) & 0xFFFFu;
+}
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSelectThreads) select_kernel(scalar_t* __restrict__ x, int64_t numel, Scratch scratch,
-                                                                Picks picks, bool clear, bool vector) {
-  __shared__ uint64_t warp_packed[kSelectThreads / 32];
-  __shared__ uint32_t tile_shared, before_shared;
-  // Tiles are handed out in the order blocks start, so every tile a block waits on has started.
-  if (threadIdx.x == 0) tile_shared = atomicAdd(scratch.next_tile(), 1u);
-  __syncthreads();
-  const int64_t tile = tile_shared;
-  const float threshold = *scratch.threshold();
+__global__ void __launch_bounds__(kThreads, 8) gather_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch,
+                                                          bool vector) {
+  __shared__ uint64_t warp_packed[kThreads / 32];
+  const int tile = blockIdx.x;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  // Group g of this thread: entries at + 4 * (threadIdx.x + kSelectThreads * g) .. + 3, so a
-  // warp's loads of one g are contiguous; index order is (g, thread, entry).
-  const int64_t at = tile * kTile + 4 * threadIdx.x;
+  // Group g of this thread: entries at + 4 * kThreads * g .. + 3, so a warp's loads of one g are
+  // contiguous; index order within the tile is (g, thread, entry). Indices fit in 32 bits.
+  const int at = tile * static_cast<int>(kTile) + 4 * threadIdx.x;
   float v[kGroups][4];
 #pragma unroll
-  for (int g = 0; g < kGroups; ++g) four::load(x, at + 4 * kSelectThreads * g, numel, vector, v[g]);
+  for (int g = 0; g < kGroups; ++g) four::load(x, at + 4 * kThreads * g, numel, vector, v[g]);
+  const float threshold = *scratch.threshold;
   uint32_t flags = 0;  // bit 4g + e: entry e of group g qualifies
   uint64_t packed = 0;
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t i = at + 4 * kSelectThreads * g + e;
-      if (i < numel && fabsf(v[g][e]) >= threshold) flags |= 1u << (4 * g + e);
+      const bool in = at + 4 * kThreads * g + e < numel;  // loads past numel read zeros
+      if (in && fabsf(v[g][e]) >= threshold) flags |= 1u << (4 * g + e);
     }
     packed |= static_cast<uint64_t>(__popc((flags >> (4 * g)) & 15u)) << (16 * g);
   }
@@ -163,42 +128,111 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(scalar_t* __rest
   __syncthreads();
   uint64_t exclusive = inclusive - packed, block = 0;
 #pragma unroll
-  for (int w = 0; w < kSelectThreads / 32; ++w) {
+  for (int w = 0; w < kThreads / 32; ++w) {
     if (w < warp) exclusive += warp_packed[w];
     block += warp_packed[w];
   }
-  const uint32_t own = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
-  if (warp == 0) {
-    uint32_t before = 0;
-    if (tile == 0) {
-      if (lane == 0) post_state(scratch.states, kRunningTotal | own);
-    } else {
-      if (lane == 0) post_state(scratch.states + tile, kOwnCount | own);
-      before = qualified_before(scratch.states, tile, lane);
-      if (lane == 0) post_state(scratch.states + tile, kRunningTotal | (before + own));
-    }
-    if (lane == 0) {
-      before_shared = before;
-      if (tile == scratch.tiles - 1) *picks.qualifying = static_cast<int64_t>(before) + own;
-    }
-  }
-  __syncthreads();
-  int64_t n = before_shared;  // the n of this thread's next pick, group by group
-  if (flags == 0 || n >= picks.k) return;
+  if (threadIdx.x == 0) scratch.counts[tile] = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
+  if (flags == 0) return;
+  int2* slots = scratch.slots + static_cast<int64_t>(tile) * scratch.capacity;
+  uint32_t before = 0;  // entries of the tile's earlier groups
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
-    int64_t slot = n + field(exclusive, g);
+    uint32_t slot = before + field(exclusive, g);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (!(flags >> (4 * g + e) & 1u) || slot >= picks.k) continue;
-      const int64_t i = at + 4 * kSelectThreads * g + e;
-      picks.values[slot] = v[g][e];
-      picks.indices[slot] = static_cast<int32_t>(i);
-      if (clear) x[i] = scalar_t(0);
+      if (!(flags >> (4 * g + e) & 1u)) continue;
+      if (slot < static_cast<uint32_t>(scratch.capacity)) {
+        // read again (from L1, most likely) rather than kept through the scan: fewer registers,
+        // more blocks in flight
+        const int i = at + 4 * kThreads * g + e;
+        slots[slot] = make_int2(__float_as_int(static_cast<float>(x[i])), i);
+      }
       ++slot;
     }
-    n += field(block, g);
+    before += field(block, g);
   }
+}
+
+// ---- 3. the placing pass -------------------------------------------------------------------
+struct Picks {
+  float* values;
+  int32_t* indices;
+  int64_t k;
+  int64_t* qualifying;
+};
+
+// Sends entry i (value v) as the n-th pick, if n < k.
+template <typename scalar_t>
+__device__ __forceinline__ void take(scalar_t* x, const Picks& picks, int64_t n, int32_t i, float v, bool clear) {
+  if (n >= picks.k) return;
+  picks.values[n] = v;
+  picks.indices[n] = i;
+  if (clear) x[i] = scalar_t(0);
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t numel, Scratch scratch, Picks picks,
+                                                         bool clear) {
+  __shared__ uint32_t warp_totals[kThreads / 32];
+  __shared__ uint32_t tile_counts[kTilesPerBlock];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock;
+  // entries qualifying in the tiles before this block's
+  // (first_tile is a multiple of 32 and the counts start 16-byte aligned: four counts a load)
+  uint32_t mine = 0;
+  const uint4* fours = reinterpret_cast<const uint4*>(scratch.counts);
+#pragma unroll 4
+  for (int64_t t = threadIdx.x; t < first_tile / 4; t += kThreads) {
+    const uint4 c = fours[t];
+    mine += c.x + c.y + c.z + c.w;
+  }
+  mine = warp_sum(mine);
+  if (lane == 0) warp_totals[warp] = mine;
+  if (threadIdx.x < kTilesPerBlock) {
+    const int64_t t = first_tile + threadIdx.x;
+    tile_counts[threadIdx.x] = t < scratch.tiles ? scratch.counts[t] : 0u;
+  }
+  __syncthreads();
+  int64_t n = 0;  // the first pick of this warp's next tile
+  for (int w = 0; w < kThreads / 32; ++w) n += warp_totals[w];
+  constexpr int kTilesPerWarp = kTilesPerBlock / (kThreads / 32);
+  for (int u = 0; u < warp * kTilesPerWarp; ++u) n += tile_counts[u];
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
+    int64_t total = n;
+    for (int u = 0; u < kTilesPerBlock; ++u) total += tile_counts[u];
+    *picks.qualifying = total;
+  }
+  const float threshold = *scratch.threshold;
+  for (int u = warp * kTilesPerWarp; u < (warp + 1) * kTilesPerWarp; ++u) {
+    const int64_t tile = first_tile + u;
+    const uint32_t count = tile_counts[u];
+    if (tile >= scratch.tiles || n >= picks.k) return;
+    if (count <= static_cast<uint32_t>(scratch.capacity)) {
+      const int2* slots = scratch.slots + tile * scratch.capacity;
+      for (uint32_t j = lane; j < count; j += 32) {
+        const int2 s = slots[j];
+        take(x, picks, n + j, s.y, __int_as_float(s.x), clear);
+      }
+    } else {  // more than the slots hold: read the tile again, 32 entries a step
+      int64_t next = n;
+      for (int64_t i0 = tile * kTile; i0 < min(numel, (tile + 1) * kTile) && next < picks.k; i0 += 32) {
+        const int64_t i = i0 + lane;
+        const float v = i < numel ? static_cast<float>(x[i]) : 0.0f;
+        const uint32_t qualifies = __ballot_sync(kFull, i < numel && fabsf(v) >= threshold);
+        if (qualifies >> lane & 1u) take(x, picks, next + __popc(qualifies & ((1u << lane) - 1)), static_cast<int32_t>(i), v, clear);
+        next += __popc(qualifies);
+      }
+    }
+    n += count;
+  }
+}
+
+// Slots a tile keeps for its entries: twice the expected number, in whole warps' worth, at least
+// 64; tiles with more are read again (correct, slower).
+int slots_per_tile(const TopKSample& sample) {
+  const int64_t expected = (kTile * sample.want + sample.size - 1) / sample.size;
+  return static_cast<int>(std::clamp<int64_t>((2 * expected + 32 + 31) / 32 * 32, 64, kTile / 4));
 }
 
 } // namespace
@@ -211,16 +245,25 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
   // unused slots send value 0 at index 0
   C10_CUDA_CHECK(cudaMemsetAsync(piece.mutable_data_ptr(), 0, piece.nbytes(), stream));
   const int64_t tiles = (numel + kTile - 1) / kTile;
-  at::Tensor states = at::empty({tiles + 1}, x.options().dtype(at::kLong));
-  const Scratch scratch{reinterpret_cast<uint64_t*>(states.mutable_data_ptr<int64_t>()), tiles};
+  const int capacity = slots_per_tile(sample);
+  at::Tensor memory = at::empty({2 * tiles * capacity + tiles + kTopKSample + 1}, x.options().dtype(at::kInt));
+  int32_t* base = memory.mutable_data_ptr<int32_t>();
+  int32_t* counts = base + 2 * tiles * capacity;  // capacity is a multiple of 32: 16-byte aligned
+  const Scratch scratch{reinterpret_cast<int2*>(base), reinterpret_cast<uint32_t*>(counts),
+                        reinterpret_cast<uint32_t*>(counts + tiles),
+                        reinterpret_cast<float*>(counts + tiles + kTopKSample), tiles, capacity};
   int32_t* out = piece.mutable_data_ptr<int32_t>();
   const Picks picks{reinterpret_cast<float*>(out), out + k, k, qualifying.mutable_data_ptr<int64_t>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
-    sample_threshold_kernel<scalar_t><<<1, kSampleThreads, 0, stream>>>(in, sample, scratch);
+    sample_keys_kernel<scalar_t><<<kTopKSample / kThreads, kThreads, 0, stream>>>(in, sample, scratch.keys);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    select_kernel<scalar_t><<<tiles, kSelectThreads, 0, stream>>>(in, numel, scratch, picks, clear,
-                                                                  four::aligned<scalar_t>({in}));
+    sample_threshold_kernel<<<1, kSampleThreads, 0, stream>>>(scratch.keys, sample, scratch.threshold);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gather_kernel<scalar_t><<<tiles, kThreads, 0, stream>>>(in, numel, scratch, four::aligned<scalar_t>({in}));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    place_kernel<scalar_t><<<(tiles + kTilesPerBlock - 1) / kTilesPerBlock, kThreads, 0, stream>>>(in, numel, scratch,
+                                                                                                   picks, clear);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
