@@ -117,6 +117,28 @@ def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes):
         assert torch.equal(a, b.cpu())
 
 
+@needs_cuda
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("codes", CODES)
+@pytest.mark.parametrize("ranks,chunk", [(8, 1024), (11, 256), (9, 1000)])
+def test_cuda_and_cpu_reduce_different_ranks_to_the_same_bits(codes, ranks, chunk):
+    # Each rank's own shard 0 (a different bucket per rank), so a rank's codes or scale read in
+    # another's place shows; 8 and more ranks take the path with eight ranks' loads in flight.
+    numel = 40_000
+    pieces = []
+    for r in range(ranks):
+        src = torch.randn(numel, generator=torch.Generator().manual_seed(50 + r)) * (r + 1)
+        packed = round_trip(src, ranks, chunk, 7, codes)[0]
+        pieces.append(packed[: packed.numel() // ranks])
+    received = torch.cat(pieces)
+    out = []
+    for device in ("cpu", "cuda"):
+        piece = torch.empty(pieces[0].numel(), dtype=torch.uint8, device=device)
+        _C.reduce_shard_(received.to(device), piece, numel, ranks, chunk, ranks, 99, codes)
+        out.append(piece.cpu())
+    assert torch.equal(out[0], out[1])
+
+
 # ---- the hook through DDP -------------------------------------------------------------------
 
 CHUNK = compression_runs.CHUNK

@@ -5,7 +5,7 @@
 // 2. The bucket streams through once in tiles of 4096 entries, with no block waiting on another:
 //    each block counts its tile's qualifying entries and writes them, in index order, to the
 //    tile's slots in a scratch buffer (room for twice the expected number).
-// 3. Blocks of 32 tiles add up the counts before them and copy each tile's entries to their
+// 3. Blocks of 8 tiles add up the counts before them and copy each tile's entries to their
 //    places among the first k (and clear them from the bucket). A tile with more qualifying
 //    entries than slots is read again from the bucket by the warp that places it.
 #include <commtune/kernels/four.cuh>
@@ -25,16 +25,21 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
+// One instruction from sm_80 on (the sample's search runs 62 of these one after another).
 __device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(kFull, v);
+#else
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(kFull, v, o);
   return v;
+#endif
 }
 
 constexpr int kThreads = 256;
 constexpr int kGroups = 4;  // groups of four entries a thread of the streaming pass holds
 constexpr int64_t kTile = kThreads * kGroups * 4;
-constexpr int kTilesPerBlock = 32;  // of the placing pass: four a warp
+constexpr int kTilesPerBlock = kThreads / 32;  // of the placing pass: one a warp
 
 // One call's scratch: each tile's slots for its entries (value bits, index), its count, the
 // sample's keys and the threshold.
@@ -179,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock;
   // entries qualifying in the tiles before this block's
-  // (first_tile is a multiple of 32 and the counts start 16-byte aligned: four counts a load)
+  // (first_tile is a multiple of 8 and the counts start 16-byte aligned: four counts a load)
   uint32_t mine = 0;
   const uint4* fours = reinterpret_cast<const uint4*>(scratch.counts);
 #pragma unroll 4
