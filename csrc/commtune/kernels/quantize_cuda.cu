@@ -15,9 +15,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 
 namespace commtune {
@@ -147,36 +145,34 @@ __device__ __forceinline__ int64_t shard_of(int64_t g, const QuantizeLayout& l) 
 
 // The lane's groups as four::group_start places them (a Map for encode_lane).
 struct FloatGroups {
-  __device__ int64_t start(int lane, int i) const { return four::group_start(lane, i); }
+  __device__ static int64_t start(int lane, int i) { return four::group_start(lane, i); }
 };
 
-// The reduce pass gives a chunk two warps and reads codes as 32-bit words: word t of lane l in
-// warp h of the pair is the chunk's word l + 32 (2t + h), four 8-bit codes (one group of four)
-// or eight 4-bit ones (two groups).
+// The reduce pass reads codes as 32-bit words: a lane's word t is the chunk's word lane + 32 t,
+// four 8-bit codes (its group t, as FloatGroups) or eight 4-bit ones (its groups 2t and 2t + 1).
 template <quant::Codes kKind>
 struct CodeWords {
   static constexpr int kGroups = 8 / quant::bits_of(kKind);  // groups of four codes in a word
-  static constexpr int kFours = kMaxFours / 2;               // groups a lane holds
-  static constexpr int kPerLane = kFours / kGroups;          // words a lane reads of each rank
+  static constexpr int kPerLane = kMaxFours / kGroups;
   // Decodes as zero: words past the chunk add nothing to the sums or the absmax.
   static constexpr uint32_t kZero = kKind == quant::Codes::int4 ? 0x88888888u : 0u;
-  int half;  // which warp of the pair
-  __device__ int64_t word(int lane, int t) const { return lane + kWarp * (2 * t + half); }
-  __device__ int64_t start(int lane, int i) const { return 4 * (kGroups * word(lane, i / kGroups) + i % kGroups); }
+  __device__ static int64_t start(int lane, int i) {
+    return 4 * (kGroups * (lane + kWarp * (i / kGroups)) + i % kGroups);
+  }
 };
 
 // Encodes the lane's values (its groups as Map places them) into the chunk's codes and, with
 // `error` defined, writes there what the codes lose (elements first_index.. of it). Each group's
 // error is written as soon as it is encoded: codes kept for a second pass would hold 32 more
 // registers and cost a third of the warps an SM can keep in flight.
-template <quant::Codes kKind, int kFours, typename Map, typename scalar_t>
-__device__ __forceinline__ void encode_lane(const float (&v)[kFours][4], const Map& map, int lane,
-                                            const QuantizeLayout& l, uint64_t first_index, int64_t draws, float scale,
-                                            uint8_t* codes, scalar_t* error, bool vector) {
+template <quant::Codes kKind, typename Map, typename scalar_t>
+__device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int lane, const QuantizeLayout& l,
+                                            uint64_t first_index, int64_t draws, float scale, uint8_t* codes,
+                                            scalar_t* error, bool vector) {
   const float inverse = quant::inverse(scale);
 #pragma unroll
-  for (int i = 0; i < kFours; ++i) {
-    const int64_t j = map.start(lane, i);
+  for (int i = 0; i < kMaxFours; ++i) {
+    const int64_t j = Map::start(lane, i);
     if (j >= l.chunk) continue;
     int8_t q[4];
     quant::encode_four(v[i], first_index + j, draws, inverse, kKind, q);
@@ -199,14 +195,14 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
-    const int64_t j = four::group_start(lane, i);
+    const int64_t j = FloatGroups::start(lane, i);
     if (j >= l.chunk) break;
     four::load(src, first + j, l.numel, vector, v[i]);
 #pragma unroll
     for (int k = 0; k < 4; ++k) m = fmaxf(m, fabsf(v[i][k]));
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
-  encode_lane<kKind>(v, FloatGroups{}, lane, l, first, draws, scale, l.codes(packed, s, c), error, vector);
+  encode_lane<kKind, FloatGroups>(v, lane, l, first, draws, scale, l.codes(packed, s, c), error, vector);
   if (lane == 0) *l.scale(packed, s, c) = scale;
 }
 
@@ -240,8 +236,7 @@ __device__ __forceinline__ float decode_in_word(uint32_t word, int k, float scal
 // enough bytes in flight.
 template <quant::Codes kKind, int kRanks>
 __device__ __forceinline__ void add_ranks(const uint8_t* received, const QuantizeLayout& l, int64_t first_rank,
-                                          int64_t c, const CodeWords<kKind>& words, int lane,
-                                          float (&v)[CodeWords<kKind>::kFours][4]) {
+                                          int64_t c, int lane, float (&v)[kMaxFours][4]) {
   using Words = CodeWords<kKind>;
   const int64_t chunk_bytes = l.chunk * l.bits() / 8;
   uint32_t word[kRanks][Words::kPerLane];
@@ -253,7 +248,7 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
     scale[b] = __ldg(l.scale(piece, first_rank + b, c));
 #pragma unroll
     for (int t = 0; t < Words::kPerLane; ++t) {
-      const int64_t at = 4 * words.word(lane, t);
+      const int64_t at = 4 * (lane + kWarp * t);
       word[b][t] = at < chunk_bytes ? __ldg(reinterpret_cast<const uint32_t*>(codes + at)) : Words::kZero;
     }
   }
@@ -271,47 +266,33 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
   }
 }
 
-// Eight ranks' words in flight at once (a lane holds half a chunk's sums, so they fit): one
-// round of load latency for a step's reduce, whose shard is a wave or two of blocks.
-constexpr int kRanksInFlight = 8;
-// TEMPORARY A/B (this build only): COMMTUNE_AB_REDUCE_RANKS=4 keeps four ranks in flight.
-inline bool ab_four_ranks() {
-  static const bool four = std::getenv("COMMTUNE_AB_REDUCE_RANKS") != nullptr &&
-                           std::string(std::getenv("COMMTUNE_AB_REDUCE_RANKS")) == "4";
-  return four;
-}
+// Two ranks' words in flight at a time: 72 registers, 3 blocks an SM. Four (117 registers, 2
+// blocks) measured 13% slower on an H200 (benchmarks/results/NOTES.md).
+constexpr int kRanksInFlight = 2;
 
-// Two warps a chunk: the pair's absmax meets in shared memory behind a barrier of its 64 threads.
-template <quant::Codes kKind, int kInFlight = kRanksInFlight>
-__global__ void __launch_bounds__(kThreads, 3) reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
+template <quant::Codes kKind>
+__global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                                    quant::Divisor divisor, int64_t draws) {
-  __shared__ float pair_max[kThreads / kWarp];
-  const int64_t g = four::warp_index();
-  const int64_t c = g / 2;
-  if (c >= l.chunks_per_shard()) return;  // both warps of the pair
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const CodeWords<kKind> words{static_cast<int>(g % 2)};
-  float v[CodeWords<kKind>::kFours][4] = {};
+  const int64_t c = warp_chunk(l.chunks_per_shard());
+  if (c < 0) return;
+  const int lane = threadIdx.x % kWarp;
+  float v[kMaxFours][4] = {};
   int64_t r = 0;
-  for (; r + kInFlight <= l.ranks; r += kInFlight) add_ranks<kKind, kInFlight>(received, l, r, c, words, lane, v);
-  for (; r < l.ranks; ++r) add_ranks<kKind, 1>(received, l, r, c, words, lane, v);
+  for (; r + kRanksInFlight <= l.ranks; r += kRanksInFlight) add_ranks<kKind, kRanksInFlight>(received, l, r, c, lane, v);
+  for (; r < l.ranks; ++r) add_ranks<kKind, 1>(received, l, r, c, lane, v);
   float m = 0.0f;
 #pragma unroll
-  for (int i = 0; i < CodeWords<kKind>::kFours; ++i) {
+  for (int i = 0; i < kMaxFours; ++i) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       v[i][k] = divisor.apply(v[i][k]);
       m = fmaxf(m, fabsf(v[i][k]));  // groups past the chunk hold zeros
     }
   }
-  m = warp_absmax(m);
-  if (lane == 0) pair_max[warp] = m;
-  // barrier 1 + pair index (0 is __syncthreads'), for the pair's 64 threads
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / 2), "r"(2 * kWarp) : "memory");
-  const float scale = quant::scale_of(fmaxf(pair_max[warp & ~1], pair_max[warp | 1]), kKind);
-  encode_lane<kKind>(v, words, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c), static_cast<float*>(nullptr),
-                     false);
-  if (lane == 0 && words.half == 0) *l.scale(piece, 0, c) = scale;
+  const float scale = quant::scale_of(warp_absmax(m), kKind);
+  encode_lane<kKind, CodeWords<kKind>>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
+                                       static_cast<float*>(nullptr), false);
+  if (lane == 0) *l.scale(piece, 0, c) = scale;
 }
 
 template <typename scalar_t, quant::Codes kKind>
@@ -326,7 +307,7 @@ __global__ void dequantize_warp_kernel(const uint8_t* __restrict__ packed, scala
   const float scale = *l.scale(const_cast<uint8_t*>(packed), s, c);
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
-    const int64_t j = four::group_start(lane, i);
+    const int64_t j = FloatGroups::start(lane, i);
     if (j >= l.chunk || first + j >= l.numel) break;
     int8_t q[4];
     quant::load_four_codes(codes, j, kKind, q);
@@ -381,15 +362,9 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (layout.chunk <= kWarpChunkLimit) {
     with_codes(layout.kind, [&](auto kind) {
-      if (ab_four_ranks()) {
-        reduce_warp_kernel<decltype(kind)::value, 4><<<warp_blocks(2 * layout.chunks_per_shard()), kThreads, 0, stream>>>(
-            received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
-            draws);
-      } else {
-      reduce_warp_kernel<decltype(kind)::value><<<warp_blocks(2 * layout.chunks_per_shard()), kThreads, 0, stream>>>(
+      reduce_warp_kernel<decltype(kind)::value><<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
           received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
           draws);
-      }
     });
   } else {
     reduce_kernel<<<layout.chunks_per_shard(), kThreads, chunk_bytes(layout), stream>>>(
