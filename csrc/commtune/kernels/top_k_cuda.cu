@@ -225,7 +225,9 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
         const int64_t i = i0 + lane;
         const float v = i < numel ? static_cast<float>(x[i]) : 0.0f;
         const uint32_t qualifies = __ballot_sync(kFull, i < numel && fabsf(v) >= threshold);
-        if (qualifies >> lane & 1u) take(x, picks, next + __popc(qualifies & ((1u << lane) - 1)), static_cast<int32_t>(i), v, clear);
+        if (qualifies >> lane & 1u) {
+          take(x, picks, next + __popc(qualifies & ((1u << lane) - 1)), static_cast<int32_t>(i), v, clear);
+        }
         next += __popc(qualifies);
       }
     }
