@@ -96,17 +96,10 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
   }
 }
 
-// One thread per word of signs: lane l of a warp decodes word l of every rank, its 32 elements,
-// in registers (one coalesced load of each rank's words, a broadcast load of its scale). The
-// warp then passes its 1024 sums through shared memory so that each lane stores four
-// consecutive ones at a time: the stores to `out` are whole lines. Ranks' loads are issued
-// kRanksInFlight at a time, before any is used. The piece's size and where its scales start come
-// from the host (SignLayout computes them with 64-bit divisions).
-constexpr int kRanksInFlight = 4;
 constexpr int kStride = kWarp + 1;  // a row per lane, padded: neither pass meets a bank conflict
 
 // Stores a warp's 1024 results, staged as row l = lane l's word, so that each lane stores four
-// consecutive ones at a time: whole lines.
+// consecutive ones at a time: the stores to `out` are whole lines.
 template <typename scalar_t>
 __device__ __forceinline__ void store_staged(const float* staged, int lane, int64_t warp_first, int64_t numel,
                                              scalar_t* __restrict__ out, bool vector) {
@@ -119,6 +112,13 @@ __device__ __forceinline__ void store_staged(const float* staged, int lane, int6
     if (warp_first + e < numel) four::store(out, warp_first + e, numel, vector, four_values);
   }
 }
+
+// One thread per word of signs: lane l of a warp decodes word l of every rank, its 32 elements,
+// in registers (one coalesced load of each rank's words, a broadcast load of its scale), then
+// the warp stores its 1024 sums through store_staged. Ranks' loads are issued kRanksInFlight at
+// a time, before any is used. The piece's size and where its scales start come from the host
+// (SignLayout computes them with 64-bit divisions).
+constexpr int kRanksInFlight = 4;
 
 template <typename scalar_t>
 __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, scalar_t* __restrict__ out,
