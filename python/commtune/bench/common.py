@@ -70,6 +70,9 @@ def format_rows(header, rows):
     return "\n".join([line(header)] + [line(r) for r in rows])
 
 
+SPIN_CYCLES = 2_000_000  # about 1 ms at H200 clocks: longer than enqueueing any pass timed here
+
+
 def cuda_time_ms(fn, iters, warmup=3, queued=False):
     """Median of `iters` CUDA-event timings of fn(), from an idle device: the time includes the
     host's launch latency (the device waits for each launch). With `queued`, each call is
@@ -88,9 +91,6 @@ def cuda_time_ms(fn, iters, warmup=3, queued=False):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-SPIN_CYCLES = 2_000_000  # about 1 ms at H200 clocks: longer than enqueueing any pass timed here
 
 
 def init_gpu_process_group(port):
