@@ -31,18 +31,33 @@ def round_trip(src, ranks, chunk, draws=-1, codes="int8"):
     return packed, error, piece, decoded, shard
 
 
-def encode(values, chunk, codes="int8"):
+def levels(values, chunk, codes="int8"):
     """The scheme in tensor ops, rounding to nearest: per-chunk absmax scale, integer codes
-    floor(x / scale + 0.5), or e4m3 codes by torch's own float8_e4m3fn conversion."""
+    floor(x / scale + 0.5), or e4m3 codes by torch's own float8_e4m3fn conversion. Returns the
+    codes' values (before the scale), one row a chunk, and the scales."""
     v = values.view(-1, chunk)
     scale = v.abs().amax(1) / TOP[codes]
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     y = v * inverse[:, None]
     if codes == "e4m3":
-        q = y.to(torch.float8_e4m3fn).float()  # torch's conversion: to nearest, ties to even
-    else:
-        q = torch.floor(y + 0.5).clamp(-TOP[codes], TOP[codes])
+        return y.to(torch.float8_e4m3fn).float(), scale  # torch's conversion: to nearest, ties to even
+    return torch.floor(y + 0.5).clamp(-TOP[codes], TOP[codes]), scale
+
+
+def encode(values, chunk, codes="int8"):
+    """The values as the scheme decodes them, and the scales."""
+    q, scale = levels(values, chunk, codes)
     return (q * scale[:, None]).view(-1), scale
+
+
+def sum_decoded(encoded):
+    """The sum over (codes' values, scales) pairs in order, each code times its scale added with
+    one rounding, as the reduce kernels fuse them: the product is exact in float64, and so is the
+    sum wherever the terms are within 2^21 of each other (true of these tests' data)."""
+    total = torch.zeros_like(encoded[0][0], dtype=torch.float64)
+    for q, scale in encoded:
+        total = (total + q.double() * scale.double()[:, None]).float().double()
+    return total.float().view(-1)
 
 
 def step_of(values, chunk, codes):
@@ -82,9 +97,7 @@ def test_rounding_to_nearest_matches_the_scheme_and_bounds_the_error(device, cod
     torch.testing.assert_close(error, src - decoded, rtol=0, atol=0)
     assert bool(((src - decoded).abs() <= step_of(padded, chunk, codes)[:numel] / 2 + 1e-7).all())
     # every rank sent the same: shard 0's sum over the ranks, in rank order, divided and encoded again
-    total = torch.zeros(shard)
-    for _ in range(ranks):
-        total = total + expected[:shard]
+    total = sum_decoded([levels(padded[:shard], chunk, codes)] * ranks)
     again, _ = encode(total / ranks, chunk, codes)
     reduced = torch.tensor(piece[code_bytes:].numpy().view("float32"))
     values = unpack(piece[:code_bytes], codes).view(-1, chunk)
@@ -151,16 +164,13 @@ def simulate(steps_locals, world, chunk, codes="int8"):
     errors = [torch.zeros(numel) for _ in range(world)]
     out = []
     for grads in steps_locals:
-        decoded = []
+        encoded = []
         for r in range(world):
             sent = errors[r] + grads[r]
-            d, _ = encode(torch.nn.functional.pad(sent, (0, world * shard - numel)), chunk, codes)
-            errors[r] = sent - d[:numel]
-            decoded.append(d)
-        total = torch.zeros(world * shard)
-        for d in decoded:
-            total = total + d
-        mean, _ = encode(total / world, chunk, codes)
+            q, scale = levels(torch.nn.functional.pad(sent, (0, world * shard - numel)), chunk, codes)
+            errors[r] = sent - (q * scale[:, None]).view(-1)[:numel]
+            encoded.append((q, scale))
+        mean, _ = encode(sum_decoded(encoded) / world, chunk, codes)
         out.append(mean[:numel])
     return out
 

@@ -33,7 +33,8 @@ float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t
   const float scale = quant::scale_of(absmax, kind), inverse = quant::inverse(scale);
   for (int64_t j = 0; j < n; j += 4) {
     int8_t q[4];
-    quant::encode_four(values + j, first_index + j, draws, inverse, kind, q);
+    float level[4];  // the error below decodes the stored codes instead: a check on the CUDA kernels' levels
+    quant::encode_four(values + j, first_index + j, draws, inverse, kind, q, level);
     quant::store_four_codes(codes, j, q, kind);
   }
   return scale;
@@ -119,7 +120,7 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
         for (int64_t j = 0; j < layout.chunk; j += 4) {
           int8_t q[4];
           quant::load_four_codes(codes, j, layout.kind, q);
-          for (int k = 0; k < 4; ++k) values[j + k] = quant::add(values[j + k], quant::decode(q[k], scale, layout.kind));
+          for (int k = 0; k < 4; ++k) values[j + k] = quant::add_decoded(values[j + k], q[k], scale, layout.kind);
         }
       }
       for (int64_t j = 0; j < layout.chunk; ++j) values[j] = quant::div(values[j], static_cast<float>(divisor));

@@ -40,19 +40,20 @@ __device__ float block_absmax(const float* values, int64_t n) {
 // Encodes four values of the chunk held in shared memory into one store of codes.
 __device__ __forceinline__ void encode_store_four(const float* values, int64_t j, uint64_t first_index,
                                                   int64_t draws, float inverse, quant::Codes kind, uint8_t* codes,
-                                                  int8_t (&q)[4]) {
-  quant::encode_four(values + j, first_index + j, draws, inverse, kind, q);
+                                                  float (&level)[4]) {
+  int8_t q[4];
+  quant::encode_four(values + j, first_index + j, draws, inverse, kind, q, level);
   quant::store_four_codes(codes, j, q, kind);
 }
 
-// error[at..at+3] = what codes q lose of values[0..3] (before numel).
+// error[at..at+3] = what the codes lose of values[0..3] (before numel), from the codes' levels
+// (the CPU loop decodes the stored codes instead; the two agree bit for bit).
 template <typename scalar_t>
 __device__ __forceinline__ void store_error_four(scalar_t* error, int64_t at, int64_t numel, bool vector,
-                                                 const float* values, const int8_t (&q)[4], float scale,
-                                                 quant::Codes kind) {
+                                                 const float* values, const float (&level)[4], float scale) {
   float rest[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[k], -quant::decode(q[k], scale, kind));
+  for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[k], -quant::mul(level[k], scale));
   four::store(error, at, numel, vector, rest);
 }
 
@@ -70,9 +71,9 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* erro
   uint8_t* codes = l.codes(packed, s, c);
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
-    int8_t q[4];
-    encode_store_four(values, j, first, draws, inverse, l.kind, codes, q);
-    if (error != nullptr) store_error_four(error, first + j, l.numel, vector, values + j, q, scale, l.kind);
+    float level[4];
+    encode_store_four(values, j, first, draws, inverse, l.kind, codes, level);
+    if (error != nullptr) store_error_four(error, first + j, l.numel, vector, values + j, level, scale);
   }
   if (threadIdx.x == 0) *l.scale(packed, s, c) = scale;
 }
@@ -89,7 +90,7 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
       quant::load_four_codes(l.codes(received, r, c), j, l.kind, q);
       const float scale = *l.scale(received, r, c);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) sum[k] = quant::add(sum[k], quant::decode(q[k], scale, l.kind));
+      for (int k = 0; k < 4; ++k) sum[k] = quant::add_decoded(sum[k], q[k], scale, l.kind);
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) values[j + k] = divisor.apply(sum[k]);
@@ -97,8 +98,8 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
   __syncthreads();
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
-    int8_t q[4];
-    encode_store_four(values, j, c * l.chunk, draws, inverse, l.kind, l.codes(piece, 0, c), q);
+    float level[4];
+    encode_store_four(values, j, c * l.chunk, draws, inverse, l.kind, l.codes(piece, 0, c), level);
   }
   if (threadIdx.x == 0) *l.scale(piece, 0, c) = scale;
 }
@@ -175,10 +176,11 @@ __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int 
     const int64_t j = Map::start(lane, i);
     if (j >= l.chunk) continue;
     int8_t q[4];
-    quant::encode_four(v[i], first_index + j, draws, inverse, kKind, q);
+    float level[4];
+    quant::encode_four(v[i], first_index + j, draws, inverse, kKind, q, level);
     quant::store_four_codes(codes, j, q, kKind);
     if (error != nullptr) {
-      store_error_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, v[i], q, scale, kKind);
+      store_error_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, v[i], level, scale);
     }
   }
 }
@@ -191,13 +193,22 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
   const int lane = threadIdx.x % kWarp;
   const int64_t s = shard_of(g, l), c = g - s * l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
+  // Every group's load is issued before any value is used: an early exit past the chunk's end
+  // would make each load wait for the one before it.
   float v[kMaxFours][4];
-  float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = FloatGroups::start(lane, i);
-    if (j >= l.chunk) break;
-    four::load(src, first + j, l.numel, vector, v[i]);
+    if (j < l.chunk) {
+      four::load(src, first + j, l.numel, vector, v[i]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[i][k] = 0.0f;
+    }
+  }
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) m = fmaxf(m, fabsf(v[i][k]));
   }
@@ -206,29 +217,36 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
   if (lane == 0) *l.scale(packed, s, c) = scale;
 }
 
-// Code k of a word of stored codes times the scale: decode_stored's value, in fewer
+// Code k of a word of stored codes as its level (quant::level_of_stored's value), in fewer
 // instructions (the reduce decodes every rank's codes, so they add up). Integer codes go into
 // their float's mantissa with one byte permute (small_int_to_float's layout) rather than a shift
 // and two masks. An e4m3 byte's bits, moved into an fp16's (sign to sign, the rest 7 places up),
-// are its value times 2^-8, subnormals included; the converter turns two fp16 into floats, and
-// the scale times 2^8 restores the product exactly (scale <= FLT_MAX / 448 cannot overflow).
+// are its level times 2^-8, subnormals included; the converter turns two fp16 into floats, and
+// the scale times 2^8 (word_scale) restores the product exactly (scale <= FLT_MAX / 448 cannot
+// overflow).
 template <quant::Codes kKind>
-__device__ __forceinline__ float decode_in_word(uint32_t word, int k, float scale) {
+__device__ __forceinline__ float level_in_word(uint32_t word, int k) {
   if constexpr (kKind == quant::Codes::e4m3) {
     const uint32_t spread = __byte_perm(word, 0u, k < 2 ? 0x4140u : 0x4342u);  // bytes of the pair at 0 and 2
     const uint32_t halves = (spread & 0x007F007Fu) << 7 | (spread & 0x00800080u) << 8;
     __half2 pair;
     memcpy(&pair, &halves, sizeof pair);
     const float2 values = __half22float2(pair);
-    return quant::mul(k % 2 ? values.y : values.x, quant::mul(scale, 256.0f));
+    return k % 2 ? values.y : values.x;
   } else {
     // the byte with the code's biased value (int8: code + 128; int4: its nibble, code + 8)
     const uint32_t biased = kKind == quant::Codes::int8 ? word ^ 0x80808080u
                                                         : (word >> (4 * (k % 2))) & 0x0F0F0F0Fu;
     const int byte = kKind == quant::Codes::int8 ? k : k / 2;
     const uint32_t magic = __byte_perm(biased, 0x4B000000u, 0x7440u | byte);  // 0x4B0000 byte
-    return quant::mul(quant::small_int_from_magic(magic, kKind == quant::Codes::int8 ? 128u : 8u), scale);
+    return quant::small_int_from_magic(magic, kKind == quant::Codes::int8 ? 128u : 8u);
   }
+}
+
+// The factor level_in_word's levels take to be decoded: the chunk's scale (times 2^8 for e4m3).
+template <quant::Codes kKind>
+__device__ __forceinline__ float word_scale(float scale) {
+  return kKind == quant::Codes::e4m3 ? quant::mul(scale, 256.0f) : scale;
 }
 
 // Adds ranks first_rank.. first_rank + kRanks - 1 of chunk c, in rank order, to the lane's sums.
@@ -245,7 +263,7 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
   for (int b = 0; b < kRanks; ++b) {
     uint8_t* piece = const_cast<uint8_t*>(received);
     const uint8_t* codes = l.codes(piece, first_rank + b, c);
-    scale[b] = __ldg(l.scale(piece, first_rank + b, c));
+    scale[b] = word_scale<kKind>(__ldg(l.scale(piece, first_rank + b, c)));
 #pragma unroll
     for (int t = 0; t < Words::kPerLane; ++t) {
       const int64_t at = 4 * (lane + kWarp * t);
@@ -260,19 +278,21 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
 #pragma unroll
       for (int k = 0; k < kCodes; ++k) {
         float& sum = v[t * Words::kGroups + k / 4][k % 4];
-        sum = quant::add(sum, decode_in_word<kKind>(word[b][t], k, scale[b]));
+        sum = quant::mul_add(level_in_word<kKind>(word[b][t], k), scale[b], sum);  // quant::add_decoded
       }
     }
   }
 }
 
-// Two ranks' words in flight at a time: 72 registers, 3 blocks an SM. Four (117 registers, 2
-// blocks) measured 13% slower on an H200 (benchmarks/results/NOTES.md).
+// Two ranks' words in flight at a time, 3 blocks an SM (up to 85 registers, the bound below). Four
+// ranks (117 registers, 2 blocks) measured 13% slower on an H200, and 4 blocks an SM (64
+// registers, a few spilled) 1-7% slower for int8 and on one shard (benchmarks/results/NOTES.md).
 constexpr int kRanksInFlight = 2;
 
 template <quant::Codes kKind>
-__global__ void reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
-                                   quant::Divisor divisor, int64_t draws) {
+__global__ void __launch_bounds__(kThreads, 3)
+    reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
+                       quant::Divisor divisor, int64_t draws) {
   const int64_t c = warp_chunk(l.chunks_per_shard());
   if (c < 0) return;
   const int lane = threadIdx.x % kWarp;
@@ -305,15 +325,21 @@ __global__ void dequantize_warp_kernel(const uint8_t* __restrict__ packed, scala
   const int64_t first = s * l.shard + c * l.chunk;
   const uint8_t* codes = l.codes(const_cast<uint8_t*>(packed), s, c);
   const float scale = *l.scale(const_cast<uint8_t*>(packed), s, c);
+  // All the lane's codes are loaded before any is decoded (loads behind an early exit would wait
+  // for each other).
+  int8_t q[kMaxFours][4];
+#pragma unroll
+  for (int i = 0; i < kMaxFours; ++i) {
+    const int64_t j = FloatGroups::start(lane, i);
+    if (j < l.chunk && first + j < l.numel) quant::load_four_codes(codes, j, kKind, q[i]);
+  }
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = FloatGroups::start(lane, i);
     if (j >= l.chunk || first + j >= l.numel) break;
-    int8_t q[4];
-    quant::load_four_codes(codes, j, kKind, q);
     float values[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[k], scale, kKind);
+    for (int k = 0; k < 4; ++k) values[k] = quant::decode(q[i][k], scale, kKind);
     four::store(out, first + j, l.numel, vector, values);
   }
 }

@@ -12,7 +12,8 @@
 //         where the mantissa overflows. To nearest: ties to even, as torch's own conversion.
 //         Integer arithmetic: no fp8 hardware needed, the same bits everywhere.
 // Products and sums use round-to-nearest intrinsics on the GPU so that --use_fast_math cannot
-// fuse or approximate them. The GPU's int/float conversions run at a quarter of the adders'
+// fuse or approximate them; where a product and a sum are fused (the reduce), it is written so,
+// and the CPU fuses them too (std::fmaf). The GPU's int/float conversions run at a quarter of the adders'
 // rate, so exact small integers go through a float's mantissa instead (see small_int_to_float).
 #include <cmath>
 #include <cstdint>
@@ -48,6 +49,15 @@ COMMTUNE_HD float add(float a, float b) {
   return __fadd_rn(a, b);
 #else
   return a + b;
+#endif
+}
+
+// a * b + c rounded once (the exact product is never rounded on its own).
+COMMTUNE_HD float mul_add(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fmaf(a, b, c);
 #endif
 }
 
@@ -158,21 +168,30 @@ COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) 
 
 // y (already scaled, |y| <= 448 up to rounding) as an e4m3fn byte: 3 mantissa bits, exponent
 // bias 7, subnormals below 2^-6 in steps of 2^-9. `random`: 16 random bits (ignored to nearest).
-COMMTUNE_HD uint8_t encode_e4m3(float y, uint32_t random, bool nearest) {
+// `level` = the byte's value (decode_e4m3's), which the rounding leaves in hand: the fp32 bits
+// cut below the kept mantissa, or the subnormal steps times 2^-9.
+COMMTUNE_HD uint8_t encode_e4m3(float y, uint32_t random, bool nearest, float& level) {
   const float a = fminf(fabsf(y), 448.0f);
   const uint32_t bits = float_bits(a);
   uint32_t magnitude;
+  float kept;
   if (bits < 0x3C800000u) {  // a < 2^-6: the subnormal codes count steps of 2^-9
     const float steps = mul(a, 512.0f);  // exact
-    magnitude = static_cast<uint32_t>(nearest ? rintf(steps) : floorf(add(steps, uniform_of(random))));
+    const float rounded = nearest ? rintf(steps) : floorf(add(steps, uniform_of(random)));
+    magnitude = static_cast<uint32_t>(rounded);
+    kept = mul(rounded, 0.001953125f);  // exact
   } else {
     // 20 bits below the kept ones (the random bits at their top); to nearest, half of them plus
     // the kept lowest bit (ties to even)
     const uint32_t below = nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random << 4;
     // fp32 exponent 127 + e becomes e4m3's 7 + e; 448 = 0x43E00000 never carries past 0x7E
-    magnitude = ((bits + below) >> 20) - (120u << 3);
+    const uint32_t rounded = bits + below;
+    magnitude = (rounded >> 20) - (120u << 3);
+    kept = float_from_bits(rounded & 0xFFF00000u);
   }
-  return magnitude == 0 ? 0 : static_cast<uint8_t>(magnitude | (y < 0.0f ? 0x80u : 0u));
+  const bool negative = magnitude != 0 && y < 0.0f;  // code 0 is +0
+  level = negative ? -kept : kept;
+  return static_cast<uint8_t>(magnitude | (negative ? 0x80u : 0u));
 }
 
 // An e4m3fn byte's value. Its 7 magnitude bits, put under an fp32 exponent biased by 120 more,
@@ -184,35 +203,43 @@ COMMTUNE_HD float decode_e4m3(uint8_t code) {
   return float_from_bits(float_bits(magnitude) | static_cast<uint32_t>(code & 0x80u) << 24);
 }
 
-// x as a code (the byte, for e4m3), given the chunk's inverse scale and 16 random bits.
-COMMTUNE_HD int8_t encode(float x, float inverse_scale, uint32_t random, bool nearest, Codes codes) {
-  if (codes == Codes::e4m3) return static_cast<int8_t>(encode_e4m3(mul(x, inverse_scale), random, nearest));
+// x as a code (the byte, for e4m3), given the chunk's inverse scale and 16 random bits;
+// `level` = the code's value before scaling (decode's value over the scale), for the error.
+COMMTUNE_HD int8_t encode(float x, float inverse_scale, uint32_t random, bool nearest, Codes codes, float& level) {
+  if (codes == Codes::e4m3) return static_cast<int8_t>(encode_e4m3(mul(x, inverse_scale), random, nearest, level));
   const float y = floorf(add(mul(x, inverse_scale), uniform_of(random)));
   const float top = top_of(codes);
-  return static_cast<int8_t>(small_float_to_byte(fminf(fmaxf(y, -top), top)));
+  level = fminf(fmaxf(y, -top), top);
+  return static_cast<int8_t>(small_float_to_byte(level));
 }
 
-// A code as stored (int8: its byte; int4: its nibble, the code plus 8; e4m3: its byte) times
-// the chunk's scale.
-COMMTUNE_HD float decode_stored(uint32_t stored, float scale, Codes codes) {
-  const float value = codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(stored))
-                      : codes == Codes::int8 ? small_int_to_float(stored ^ 0x80u, 128u)
-                                             : small_int_to_float(stored, 8u);
-  return mul(value, scale);
+// A code as stored (int8: its byte; int4: its nibble, the code plus 8; e4m3: its byte) as its
+// level: the value before the chunk's scale.
+COMMTUNE_HD float level_of_stored(uint32_t stored, Codes codes) {
+  return codes == Codes::e4m3 ? decode_e4m3(static_cast<uint8_t>(stored))
+         : codes == Codes::int8 ? small_int_to_float(stored ^ 0x80u, 128u)
+                                : small_int_to_float(stored, 8u);
+}
+
+COMMTUNE_HD float level_of(int8_t code, Codes codes) {
+  return level_of_stored(codes == Codes::int4 ? static_cast<uint32_t>(code + 8) : static_cast<uint8_t>(code), codes);
 }
 
 // A code (int4: -7..7) times the chunk's scale.
-COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) {
-  return decode_stored(codes == Codes::int4 ? static_cast<uint32_t>(code + 8) : static_cast<uint8_t>(code), scale,
-                       codes);
+COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) { return mul(level_of(code, codes), scale); }
+
+// sum + the code times the chunk's scale, rounded once: how the reduce adds up the ranks' codes
+// (one fused instruction a code on the GPU rather than a product and a sum).
+COMMTUNE_HD float add_decoded(float sum, int8_t code, float scale, Codes codes) {
+  return mul_add(level_of(code, codes), scale, sum);
 }
 
-// Values v[0..3], elements index..index+3 of a chunk (see four_random), as codes.
+// Values v[0..3], elements index..index+3 of a chunk (see four_random), as codes and their levels.
 COMMTUNE_HD void encode_four(const float* v, uint64_t index, int64_t draws, float inverse_scale, Codes codes,
-                             int8_t (&q)[4]) {
+                             int8_t (&q)[4], float (&level)[4]) {
   uint32_t random[4];
   four_random(draws, index, random);
-  for (int k = 0; k < 4; ++k) q[k] = encode(v[k], inverse_scale, random[k], draws < 0, codes);
+  for (int k = 0; k < 4; ++k) q[k] = encode(v[k], inverse_scale, random[k], draws < 0, codes, level[k]);
 }
 
 // Codes j..j+3 of a chunk whose codes start at `codes` (j a multiple of 4): one 4- or 2-byte access.

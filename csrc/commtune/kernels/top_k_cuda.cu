@@ -199,39 +199,35 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
     tile_counts[threadIdx.x] = t < scratch.tiles ? scratch.counts[t] : 0u;
   }
   __syncthreads();
-  int64_t n = 0;  // the first pick of this warp's next tile
+  const int64_t tile = first_tile + warp;  // this warp's
+  int64_t n = 0;  // its first pick
   for (int w = 0; w < kThreads / 32; ++w) n += warp_totals[w];
-  constexpr int kTilesPerWarp = kTilesPerBlock / (kThreads / 32);
-  for (int u = 0; u < warp * kTilesPerWarp; ++u) n += tile_counts[u];
+  for (int u = 0; u < warp; ++u) n += tile_counts[u];
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
     int64_t total = n;
     for (int u = 0; u < kTilesPerBlock; ++u) total += tile_counts[u];
     *picks.qualifying = total;
   }
-  const float threshold = *scratch.threshold;
-  for (int u = warp * kTilesPerWarp; u < (warp + 1) * kTilesPerWarp; ++u) {
-    const int64_t tile = first_tile + u;
-    const uint32_t count = tile_counts[u];
-    if (tile >= scratch.tiles || n >= picks.k) return;
-    if (count <= static_cast<uint32_t>(scratch.capacity)) {
-      const int2* slots = scratch.slots + tile * scratch.capacity;
-      for (uint32_t j = lane; j < count; j += 32) {
-        const int2 s = slots[j];
-        take(x, picks, n + j, s.y, __int_as_float(s.x), clear);
-      }
-    } else {  // more than the slots hold: read the tile again, 32 entries a step
-      int64_t next = n;
-      for (int64_t i0 = tile * kTile; i0 < min(numel, (tile + 1) * kTile) && next < picks.k; i0 += 32) {
-        const int64_t i = i0 + lane;
-        const float v = i < numel ? static_cast<float>(x[i]) : 0.0f;
-        const uint32_t qualifies = __ballot_sync(kFull, i < numel && fabsf(v) >= threshold);
-        if (qualifies >> lane & 1u) {
-          take(x, picks, next + __popc(qualifies & ((1u << lane) - 1)), static_cast<int32_t>(i), v, clear);
-        }
-        next += __popc(qualifies);
-      }
+  const uint32_t count = tile_counts[warp];
+  if (tile >= scratch.tiles || n >= picks.k) return;
+  if (count <= static_cast<uint32_t>(scratch.capacity)) {
+    const int2* slots = scratch.slots + tile * scratch.capacity;
+    for (uint32_t j = lane; j < count; j += 32) {
+      const int2 s = slots[j];
+      take(x, picks, n + j, s.y, __int_as_float(s.x), clear);
     }
-    n += count;
+  } else {  // more than the slots hold: read the tile again, 32 entries a step
+    const float threshold = *scratch.threshold;
+    int64_t next = n;
+    for (int64_t i0 = tile * kTile; i0 < min(numel, (tile + 1) * kTile) && next < picks.k; i0 += 32) {
+      const int64_t i = i0 + lane;
+      const float v = i < numel ? static_cast<float>(x[i]) : 0.0f;
+      const uint32_t qualifies = __ballot_sync(kFull, i < numel && fabsf(v) >= threshold);
+      if (qualifies >> lane & 1u) {
+        take(x, picks, next + __popc(qualifies & ((1u << lane) - 1)), static_cast<int32_t>(i), v, clear);
+      }
+      next += __popc(qualifies);
+    }
   }
 }
 

@@ -6,7 +6,8 @@ Bandwidth counts the bytes a pass must read and write once: quantize reads the b
 writes the codes, the scales and the error buffer; reduce reads the ranks' encoded shards and
 writes one; dequantize reads the encoded bucket and writes the bucket. The reduce pass of a
 real step handles one shard (1/ranks of the bucket); it is also timed on a shard as large as
-the whole bucket, where its tail no longer dominates.
+the whole bucket, where its tail no longer dominates, and a copy of as many bytes as the int8
+one-shard reduce shows what that size alone costs.
 
 Each pass is timed twice: "ms" as the device runs it, queued behind a spin kernel (in a step,
 earlier work hides the host's launches; the bar is on this time), and "ms_from_idle" from an idle
@@ -74,12 +75,17 @@ def sparsifier_passes(numel, ranks, chunk, device):
 
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
+SMALL_COPY = "device-to-device copy fp32, the int8 one-shard reduce's bytes"
 
 
 def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), from_idle=True):
     src = torch.randn(numel, device=device)
     copy = torch.empty_like(src)
-    passes = {"device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel)}
+    # a copy moving as many bytes as the int8 reduce of one shard (28 MB of this bucket's 200):
+    # how far a pass that small gets by its size alone (information; the bar's base is the above)
+    small = (ranks + 1) * _C.quantize_layout(numel, ranks, chunk, "int8")[1] // 8
+    passes = {"device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel),
+              SMALL_COPY: (lambda: copy[:small].copy_(src[:small]), 8 * small)}
     wire = {"allreduce_bytes_per_rank": 2 * (ranks - 1) * 4 * numel / ranks}
     for kind in codes:
         more, piece = passes_of(kind, numel, ranks, chunk, device)
