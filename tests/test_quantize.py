@@ -82,7 +82,8 @@ def unpack(code_bytes, codes):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codes", CODES)
-@pytest.mark.parametrize("numel,ranks,chunk", [(10_000, 3, 256), (4096, 2, 1024), (77, 4, 8)])
+# chunks above 1024 take the one-block-per-chunk CUDA kernels, the others one warp per chunk
+@pytest.mark.parametrize("numel,ranks,chunk", [(10_000, 3, 256), (4096, 2, 1024), (77, 4, 8), (20_000, 3, 2048)])
 def test_rounding_to_nearest_matches_the_scheme_and_bounds_the_error(device, codes, numel, ranks, chunk):
     src = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
     src[::5] *= 1e-3  # e4m3: values across many binades, subnormal codes too
@@ -121,11 +122,12 @@ def test_stochastic_rounding_is_unbiased(device, codes):
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes):
+@pytest.mark.parametrize("chunk", [512, 2048])
+def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes, chunk):
     src = (torch.randn(50_000, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
     src[::3] *= 1e-4
-    cpu = round_trip(src, 3, 512, 12345, codes)
-    gpu = round_trip(src.cuda(), 3, 512, 12345, codes)
+    cpu = round_trip(src, 3, chunk, 12345, codes)
+    gpu = round_trip(src.cuda(), 3, chunk, 12345, codes)
     for a, b in zip(cpu[:4], gpu[:4]):
         assert torch.equal(a, b.cpu())
 
@@ -133,10 +135,11 @@ def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes):
 @needs_cuda
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("codes", CODES)
-@pytest.mark.parametrize("ranks,chunk", [(8, 1024), (11, 256), (9, 1000)])
+@pytest.mark.parametrize("ranks,chunk", [(8, 1024), (11, 256), (9, 1000), (8, 2048)])
 def test_cuda_and_cpu_reduce_different_ranks_to_the_same_bits(codes, ranks, chunk):
     # Each rank's own shard 0 (a different bucket per rank), so a rank's codes or scale read in
-    # another's place shows; 8 and more ranks take the path with eight ranks' loads in flight.
+    # another's place shows. The warp kernel adds ranks two at a time (9 and 11 end with one
+    # alone); chunks of 256 and 1000 leave lanes past the chunk; 2048 takes the block kernel.
     numel = 40_000
     pieces = []
     for r in range(ranks):
