@@ -113,6 +113,16 @@ __device__ __forceinline__ void store_staged(const float* staged, int lane, int6
   }
 }
 
+// Rank r's word `word` of signs and the scale of its chunk `chunk` from the gathered pieces
+// (zeros where `here` is false).
+__device__ __forceinline__ void load_rank(const uint8_t* __restrict__ gathered, int64_t r, int64_t piece_bytes,
+                                          int64_t scales_at, int64_t word, int64_t chunk, bool here, uint32_t& bits,
+                                          float& scale) {
+  const uint8_t* piece = gathered + r * piece_bytes;
+  bits = here ? __ldg(reinterpret_cast<const uint32_t*>(piece) + word) : 0u;
+  scale = here ? __ldg(reinterpret_cast<const float*>(piece + scales_at) + chunk) : 0.0f;
+}
+
 // One thread per word of signs: lane l of a warp decodes word l of every rank, its 32 elements,
 // in registers (one coalesced load of each rank's words, a broadcast load of its scale), then
 // the warp stores its 1024 sums through store_staged. Ranks' loads are issued kRanksInFlight at
@@ -135,10 +145,7 @@ __global__ void sign_decode_mean_kernel(const uint8_t* __restrict__ gathered, sc
     float scale[kRanksInFlight];
 #pragma unroll
     for (int b = 0; b < kRanksInFlight; ++b) {
-      const uint8_t* piece = gathered + (r0 + b) * piece_bytes;
-      const bool here = mine && r0 + b < ranks;
-      bits[b] = here ? __ldg(reinterpret_cast<const uint32_t*>(piece) + word) : 0u;
-      scale[b] = here ? __ldg(reinterpret_cast<const float*>(piece + scales_at) + chunk) : 0.0f;
+      load_rank(gathered, r0 + b, piece_bytes, scales_at, word, chunk, mine && r0 + b < ranks, bits[b], scale[b]);
     }
 #pragma unroll
     for (int b = 0; b < kRanksInFlight; ++b) {
@@ -192,9 +199,7 @@ __global__ void sign_decode_table_kernel(const uint8_t* __restrict__ gathered, s
   float scale[kTableRanks];
 #pragma unroll
   for (int b = 0; b < kTableRanks; ++b) {
-    const uint8_t* piece = gathered + b * piece_bytes;
-    bits[b] = b < ranks ? __ldg(reinterpret_cast<const uint32_t*>(piece) + word) : 0u;
-    scale[b] = b < ranks ? __ldg(reinterpret_cast<const float*>(piece + scales_at) + chunk) : 0.0f;
+    load_rank(gathered, b, piece_bytes, scales_at, word, chunk, b < ranks, bits[b], scale[b]);
   }
   float* patterns = table[warp];
 #pragma unroll
