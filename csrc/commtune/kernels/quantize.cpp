@@ -33,7 +33,7 @@ float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t
   const float scale = quant::scale_of(absmax, kind), inverse = quant::inverse(scale);
   for (int64_t j = 0; j < n; j += 4) {
     int8_t q[4];
-    float level[4];  // the error below decodes the stored codes instead: a check on the CUDA kernels' levels
+    float level[4];  // unused: the CPU's error decodes the stored codes, a check on the CUDA levels
     quant::encode_four(values + j, first_index + j, draws, inverse, kind, q, level);
     quant::store_four_codes(codes, j, q, kind);
   }

@@ -13,8 +13,9 @@
 //         Integer arithmetic: no fp8 hardware needed, the same bits everywhere.
 // Products and sums use round-to-nearest intrinsics on the GPU so that --use_fast_math cannot
 // fuse or approximate them; where a product and a sum are fused (the reduce), it is written so,
-// and the CPU fuses them too (std::fmaf). The GPU's int/float conversions run at a quarter of the adders'
-// rate, so exact small integers go through a float's mantissa instead (see small_int_to_float).
+// and the CPU fuses them too (std::fmaf). The GPU's int/float conversions run at a quarter of
+// the adders' rate, so exact small integers go through a float's mantissa instead (see
+// small_int_to_float).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
