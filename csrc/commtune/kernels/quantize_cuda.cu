@@ -7,6 +7,7 @@
 #include <commtune/kernels/quantize.h>
 #include <commtune/kernels/four.cuh>
 #include <commtune/kernels/quantize_rules.h>
+#include <commtune/kernels/quantize_words.cuh>
 
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -147,38 +148,35 @@ __device__ __forceinline__ int64_t shard_of(int64_t g, const QuantizeLayout& l) 
 // The lane's groups as four::group_start places them (a Map for encode_lane).
 struct FloatGroups {
   __device__ static int64_t start(int lane, int i) { return four::group_start(lane, i); }
+  __host__ __device__ static constexpr int64_t offset(int i) { return 4 * kWarp * i; }
 };
 
-// The reduce pass reads codes as 32-bit words: a lane's word t is the chunk's word lane + 32 t,
-// four 8-bit codes (its group t, as FloatGroups) or eight 4-bit ones (its groups 2t and 2t + 1).
-template <quant::Codes kKind>
-struct CodeWords {
-  static constexpr int kGroups = 8 / quant::bits_of(kKind);  // groups of four codes in a word
-  static constexpr int kPerLane = kMaxFours / kGroups;
-  // Decodes as zero: words past the chunk add nothing to the sums or the absmax.
-  static constexpr uint32_t kZero = kKind == quant::Codes::int4 ? 0x88888888u : 0u;
-  __device__ static int64_t start(int lane, int i) {
-    return 4 * (kGroups * (lane + kWarp * (i / kGroups)) + i % kGroups);
-  }
-};
-
-// Encodes the lane's values (its groups as Map places them) into the chunk's codes and, with
-// `error` defined, writes there what the codes lose (elements first_index.. of it). Each group's
-// error is written as soon as it is encoded: codes kept for a second pass would hold 32 more
-// registers and cost a third of the warps an SM can keep in flight.
-template <quant::Codes kKind, typename Map, typename scalar_t>
+// Encodes the lane's values (its groups as Map places them: Map::start(lane, i), which is
+// Map::offset(i) past the lane's first) into the chunk's codes and, with `error` defined, writes
+// there what the codes lose (elements first_index.. of it). Each group's error is written as soon
+// as it is encoded: codes kept for a second pass would hold 32 more registers and cost a third of
+// the warps an SM can keep in flight. kFull: the chunk is 1024 elements, every group in it.
+template <quant::Codes kKind, typename Map, bool kFull = false, typename scalar_t>
 __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int lane, const QuantizeLayout& l,
                                             uint64_t first_index, int64_t draws, float scale, uint8_t* codes,
                                             scalar_t* error, bool vector) {
   const float inverse = quant::inverse(scale);
+  // The chunk's group g enters the mixer at its first group's point plus g * kGolden (the point
+  // four_random computes from the element's index): from the lane's first group, the others'
+  // are constants apart, one 64-bit add a group.
+  const int64_t lane_start = Map::start(lane, 0);
+  const uint64_t lane_point = quant::stream_point(static_cast<uint64_t>(draws), (first_index + lane_start) / 4);
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = Map::start(lane, i);
-    if (j >= l.chunk) continue;
+    if (!kFull && j >= l.chunk) continue;
+    uint32_t random[4] = {quant::kHalf16, quant::kHalf16, quant::kHalf16, quant::kHalf16};
+    const uint64_t point = lane_point + static_cast<uint64_t>(Map::offset(i) / 4) * quant::kGolden;
+    if (draws >= 0) quant::four_random_at(point, random);
     int8_t q[4];
     float level[4];
-    quant::encode_four(v[i], first_index + j, draws, inverse, kKind, q, level);
-    quant::store_four_codes(codes, j, q, kKind);
+    quant::encode_four_drawn(v[i], random, draws < 0, inverse, kKind, q, level);
+    quant_words::store_four<kKind>(codes, j, q, level);
     if (error != nullptr) {
       store_error_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, v[i], level, scale);
     }
@@ -217,58 +215,26 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
   if (lane == 0) *l.scale(packed, s, c) = scale;
 }
 
-// Code k of a word of stored codes as its level (quant::level_of_stored's value), in fewer
-// instructions (the reduce decodes every rank's codes, so they add up). Integer codes go into
-// their float's mantissa with one byte permute (small_int_to_float's layout) rather than a shift
-// and two masks. An e4m3 byte's bits, moved into an fp16's (sign to sign, the rest 7 places up),
-// are its level times 2^-8, subnormals included; the converter turns two fp16 into floats, and
-// the scale times 2^8 (word_scale) restores the product exactly (scale <= FLT_MAX / 448 cannot
-// overflow).
-template <quant::Codes kKind>
-__device__ __forceinline__ float level_in_word(uint32_t word, int k) {
-  if constexpr (kKind == quant::Codes::e4m3) {
-    const uint32_t spread = __byte_perm(word, 0u, k < 2 ? 0x4140u : 0x4342u);  // bytes of the pair at 0 and 2
-    const uint32_t halves = (spread & 0x007F007Fu) << 7 | (spread & 0x00800080u) << 8;
-    __half2 pair;
-    memcpy(&pair, &halves, sizeof pair);
-    const float2 values = __half22float2(pair);
-    return k % 2 ? values.y : values.x;
-  } else {
-    // the byte with the code's biased value (int8: code + 128; int4: its nibble, code + 8)
-    const uint32_t biased = kKind == quant::Codes::int8 ? word ^ 0x80808080u
-                                                        : (word >> (4 * (k % 2))) & 0x0F0F0F0Fu;
-    const int byte = kKind == quant::Codes::int8 ? k : k / 2;
-    const uint32_t magic = __byte_perm(biased, 0x4B000000u, 0x7440u | byte);  // 0x4B0000 byte
-    return quant::small_int_from_magic(magic, kKind == quant::Codes::int8 ? 128u : 8u);
-  }
-}
+using quant_words::CodeWords;
 
-// The factor level_in_word's levels take to be decoded: the chunk's scale (times 2^8 for e4m3).
-template <quant::Codes kKind>
-__device__ __forceinline__ float word_scale(float scale) {
-  return kKind == quant::Codes::e4m3 ? quant::mul(scale, 256.0f) : scale;
-}
-
-// Adds ranks first_rank.. first_rank + kRanks - 1 of chunk c, in rank order, to the lane's sums.
-// Every load is issued before the first is used (no branch between them): that is what keeps
-// enough bytes in flight.
+// Adds kRanks ranks' codes of the warp's chunk, in rank order, to the lane's sums: `codes` is the
+// lane's first word of the first of them, `scale_at` that rank's scale of the chunk, and each
+// next rank's are `step` bytes on; `magic`: quant_words::kMagicBits; `has[t]`: the lane's word t
+// is in the chunk. Every load is issued before the first is used (no branch between them): that
+// is what keeps enough bytes in flight.
 template <quant::Codes kKind, int kRanks>
-__device__ __forceinline__ void add_ranks(const uint8_t* received, const QuantizeLayout& l, int64_t first_rank,
-                                          int64_t c, int lane, float (&v)[kMaxFours][4]) {
+__device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* scale_at, int64_t step,
+                                          const bool (&has)[CodeWords<kKind>::kPerLane], uint32_t magic,
+                                          float (&v)[kMaxFours][4]) {
   using Words = CodeWords<kKind>;
-  const int64_t chunk_bytes = l.chunk * l.bits() / 8;
   uint32_t word[kRanks][Words::kPerLane];
   float scale[kRanks];
 #pragma unroll
   for (int b = 0; b < kRanks; ++b) {
-    uint8_t* piece = const_cast<uint8_t*>(received);
-    const uint8_t* codes = l.codes(piece, first_rank + b, c);
-    scale[b] = word_scale<kKind>(__ldg(l.scale(piece, first_rank + b, c)));
+    scale[b] = quant_words::word_scale<kKind>(__ldg(reinterpret_cast<const float*>(scale_at + b * step)));
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(codes + b * step);
 #pragma unroll
-    for (int t = 0; t < Words::kPerLane; ++t) {
-      const int64_t at = 4 * (lane + kWarp * t);
-      word[b][t] = at < chunk_bytes ? __ldg(reinterpret_cast<const uint32_t*>(codes + at)) : Words::kZero;
-    }
+    for (int t = 0; t < Words::kPerLane; ++t) word[b][t] = has[t] ? __ldg(words + kWarp * t) : Words::kZero;
   }
   constexpr int kCodes = 32 / quant::bits_of(kKind);
 #pragma unroll
@@ -278,7 +244,8 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
 #pragma unroll
       for (int k = 0; k < kCodes; ++k) {
         float& sum = v[t * Words::kGroups + k / 4][k % 4];
-        sum = quant::mul_add(level_in_word<kKind>(word[b][t], k), scale[b], sum);  // quant::add_decoded
+        const float level = quant_words::level_in_word<kKind>(word[b][t], k, magic);
+        sum = quant::mul_add(level, scale[b], sum);  // quant::add_decoded's sum
       }
     }
   }
@@ -289,17 +256,35 @@ __device__ __forceinline__ void add_ranks(const uint8_t* received, const Quantiz
 // registers, a few spilled) 1-7% slower for int8 and on one shard (benchmarks/results/NOTES.md).
 constexpr int kRanksInFlight = 2;
 
-template <quant::Codes kKind>
+// kFull: chunks of 1024 (the default), every word of a lane's in the chunk, which spares the
+// bounds' predicates.
+template <quant::Codes kKind, bool kFull>
 __global__ void __launch_bounds__(kThreads, 3)
     reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
-                       quant::Divisor divisor, int64_t draws) {
+                       quant::Divisor divisor, int64_t draws, uint32_t magic) {
+  using Words = CodeWords<kKind>;
   const int64_t c = warp_chunk(l.chunks_per_shard());
   if (c < 0) return;
   const int lane = threadIdx.x % kWarp;
+  // Rank r's codes and scale of chunk c are r pieces on from rank 0's: pointers step, no
+  // 64-bit products a rank.
+  uint8_t* first = const_cast<uint8_t*>(received);
+  const uint8_t* codes = l.codes(first, 0, c) + Words::byte_of(lane, 0);
+  const uint8_t* scale_at = reinterpret_cast<const uint8_t*>(l.scale(first, 0, c));
+  const int64_t step = l.piece_bytes();
+  const int chunk_bytes = static_cast<int>(l.chunk * l.bits() / 8);
+  bool has[Words::kPerLane];
+#pragma unroll
+  for (int t = 0; t < Words::kPerLane; ++t) has[t] = kFull || Words::byte_of(lane, t) < chunk_bytes;
   float v[kMaxFours][4] = {};
-  int64_t r = 0;
-  for (; r + kRanksInFlight <= l.ranks; r += kRanksInFlight) add_ranks<kKind, kRanksInFlight>(received, l, r, c, lane, v);
-  for (; r < l.ranks; ++r) add_ranks<kKind, 1>(received, l, r, c, lane, v);
+  const int ranks = static_cast<int>(l.ranks);
+  int r = 0;
+  for (; r + kRanksInFlight <= ranks; r += kRanksInFlight) {
+    add_ranks<kKind, kRanksInFlight>(codes, scale_at, step, has, magic, v);
+    codes += kRanksInFlight * step;
+    scale_at += kRanksInFlight * step;
+  }
+  for (; r < ranks; ++r, codes += step, scale_at += step) add_ranks<kKind, 1>(codes, scale_at, step, has, magic, v);
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
@@ -310,8 +295,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
-  encode_lane<kKind, CodeWords<kKind>>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
-                                       static_cast<float*>(nullptr), false);
+  encode_lane<kKind, Words, kFull>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
+                                   static_cast<float*>(nullptr), false);
   if (lane == 0) *l.scale(piece, 0, c) = scale;
 }
 
@@ -388,9 +373,12 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (layout.chunk <= kWarpChunkLimit) {
     with_codes(layout.kind, [&](auto kind) {
-      reduce_warp_kernel<decltype(kind)::value><<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
+      constexpr quant::Codes kKind = decltype(kind)::value;
+      auto* kernel =
+          layout.chunk == kWarpChunkLimit ? reduce_warp_kernel<kKind, true> : reduce_warp_kernel<kKind, false>;
+      kernel<<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
           received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
-          draws);
+          draws, quant_words::kMagicBits);
     });
   } else {
     reduce_kernel<<<layout.chunks_per_shard(), kThreads, chunk_bytes(layout), stream>>>(

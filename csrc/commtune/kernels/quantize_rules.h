@@ -110,13 +110,19 @@ COMMTUNE_HD uint64_t stream_point(uint64_t seed, uint64_t group) { return seed +
 // most of a draw's cost. 16 bits bound the rounding's bias by 2^-16 of a step.
 constexpr uint32_t kHalf16 = 0x8000u;
 
+// The four draws of the group entering the mixer at `point` (stream_point's value: kernels that
+// encode many groups step their points by kGolden rather than recompute each).
+COMMTUNE_HD void four_random_at(uint64_t point, uint32_t (&random)[4]) {
+  const uint64_t z = mix(point);
+  for (int k = 0; k < 4; ++k) random[k] = static_cast<uint32_t>(z >> (16 * k)) & 0xFFFFu;
+}
+
 COMMTUNE_HD void four_random(int64_t seed, uint64_t index, uint32_t (&random)[4]) {
   if (seed < 0) {
     for (int k = 0; k < 4; ++k) random[k] = kHalf16;
     return;
   }
-  const uint64_t z = mix(stream_point(static_cast<uint64_t>(seed), index / 4));
-  for (int k = 0; k < 4; ++k) random[k] = static_cast<uint32_t>(z >> (16 * k)) & 0xFFFFu;
+  four_random_at(stream_point(static_cast<uint64_t>(seed), index / 4), random);
 }
 
 COMMTUNE_HD uint32_t float_bits(float value) {
@@ -235,12 +241,18 @@ COMMTUNE_HD float add_decoded(float sum, int8_t code, float scale, Codes codes) 
   return mul_add(level_of(code, codes), scale, sum);
 }
 
+// Values v[0..3] as codes and their levels, given their draws (four_random's).
+COMMTUNE_HD void encode_four_drawn(const float* v, const uint32_t (&random)[4], bool nearest, float inverse_scale,
+                                   Codes codes, int8_t (&q)[4], float (&level)[4]) {
+  for (int k = 0; k < 4; ++k) q[k] = encode(v[k], inverse_scale, random[k], nearest, codes, level[k]);
+}
+
 // Values v[0..3], elements index..index+3 of a chunk (see four_random), as codes and their levels.
 COMMTUNE_HD void encode_four(const float* v, uint64_t index, int64_t draws, float inverse_scale, Codes codes,
                              int8_t (&q)[4], float (&level)[4]) {
   uint32_t random[4];
   four_random(draws, index, random);
-  for (int k = 0; k < 4; ++k) q[k] = encode(v[k], inverse_scale, random[k], draws < 0, codes, level[k]);
+  encode_four_drawn(v, random, draws < 0, inverse_scale, codes, q, level);
 }
 
 // Codes j..j+3 of a chunk whose codes start at `codes` (j a multiple of 4): one 4- or 2-byte access.

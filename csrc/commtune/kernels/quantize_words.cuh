@@ -1,0 +1,103 @@
+#pragma once
+// Stored codes read and written a 32-bit word (or, int4, 16 bits) at a time by the one-warp
+// kernels of quantize_cuda.cu, in fewer instructions than quantize_rules.h's per-code functions
+// and with the same bits (the reduce decodes every rank's codes, so instructions add up there).
+#include <commtune/kernels/four.cuh>
+#include <commtune/kernels/quantize_rules.h>
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace commtune::quant_words {
+
+using quant::Codes;
+
+// A lane's word t of a chunk's codes is the chunk's word lane + 32 t: four 8-bit codes (the
+// lane's group t, as four::group_start places groups) or eight 4-bit ones (its groups 2t, 2t + 1).
+template <Codes kKind>
+struct CodeWords {
+  static constexpr int kGroups = 8 / quant::bits_of(kKind);  // groups of four codes in a word
+  static constexpr int kPerLane = four::kMaxFours / kGroups;
+  // Decodes as zero: words past the chunk add nothing to the sums or the absmax.
+  static constexpr uint32_t kZero = kKind == Codes::int4 ? 0x88888888u : 0u;
+  __device__ static int64_t start(int lane, int i) {
+    return 4 * (kGroups * (lane + four::kWarp * (i / kGroups)) + i % kGroups);
+  }
+  // start(lane, i) - start(lane, 0), the same for every lane
+  __host__ __device__ static constexpr int64_t offset(int i) {
+    return 4 * (kGroups * four::kWarp * (i / kGroups) + i % kGroups);
+  }
+  // Byte offset of the lane's word t in the chunk's codes.
+  __device__ static int byte_of(int lane, int t) { return 4 * (lane + four::kWarp * t); }
+};
+
+// The bits of the float 2^23, whose mantissa level_in_word fills. Kernels take it as an argument
+// so that it stays in a register: as a constant, ptxas folds it into the byte permutes and moves
+// their selectors into registers instead, reloading them before each use (a move a code, int4).
+constexpr uint32_t kMagicBits = 0x4B000000u;
+
+// Code k of a word of stored codes as its level (quant::level_of_stored's value); `magic`:
+// kMagicBits. Integer codes go into their float's mantissa with one byte permute
+// (small_int_to_float's layout) rather than a shift and two masks. An e4m3 byte's bits, moved
+// into an fp16's (sign to sign, the rest 7 places up), are its level times 2^-8, subnormals
+// included; the converter turns two fp16 into floats, and the scale times 2^8 (word_scale)
+// restores the product exactly (scale <= FLT_MAX / 448 cannot overflow).
+template <Codes kKind>
+__device__ __forceinline__ float level_in_word(uint32_t word, int k, uint32_t magic) {
+  if constexpr (kKind == Codes::e4m3) {
+    // the pair's magnitudes (7 bits) at bits 0 and 16, times 2^7, plus their signs at bits 15
+    // and 31: two byte permutes and a multiply-add (no carries: the fields do not overlap)
+    const uint32_t magnitudes = word & 0x7F7F7F7Fu, signs = word ^ magnitudes;
+    const uint32_t low = __byte_perm(magnitudes, 0u, k < 2 ? 0x4140u : 0x4342u);
+    const uint32_t high = __byte_perm(signs, 0u, k < 2 ? 0x1404u : 0x3424u);
+    const uint32_t halves = low * 128u + high;
+    __half2 pair;
+    memcpy(&pair, &halves, sizeof pair);
+    const float2 values = __half22float2(pair);
+    return k % 2 ? values.y : values.x;
+  } else {
+    // the byte with the code's biased value (int8: code + 128; int4: its nibble, code + 8)
+    const uint32_t biased = kKind == Codes::int8 ? word ^ 0x80808080u : (word >> (4 * (k % 2))) & 0x0F0F0F0Fu;
+    const int byte = kKind == Codes::int8 ? k : k / 2;
+    const uint32_t bits = __byte_perm(biased, magic, 0x7440u | byte);  // 0x4B0000 byte
+    return quant::small_int_from_magic(bits, kKind == Codes::int8 ? 128u : 8u);
+  }
+}
+
+// The factor level_in_word's levels take to be decoded: the chunk's scale (times 2^8 for e4m3).
+template <Codes kKind>
+__device__ __forceinline__ float word_scale(float scale) {
+  return kKind == Codes::e4m3 ? quant::mul(scale, 256.0f) : scale;
+}
+
+// The low bytes of a, b, c, d as one word (a's lowest): three byte permutes.
+__device__ __forceinline__ uint32_t low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040u), __byte_perm(c, d, 0x0040u), 0x5410u);
+}
+
+// Stores codes j..j+3 of a chunk (j a multiple of 4) as quant::store_four_codes does, the same
+// bytes, from the encoder's codes q and levels. Integer codes are packed from their levels: the
+// level plus 2^23 + bias has the stored byte (int8: flipped at its top) in its low bits.
+template <Codes kKind>
+__device__ __forceinline__ void store_four(uint8_t* codes, int64_t j, const int8_t (&q)[4], const float (&level)[4]) {
+  if constexpr (kKind == Codes::e4m3) {
+    *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(static_cast<uint8_t>(q[0]), static_cast<uint8_t>(q[1]),
+                                                        static_cast<uint8_t>(q[2]), static_cast<uint8_t>(q[3]));
+  } else {
+    constexpr float kMagic = kKind == Codes::int8 ? 8388736.0f : 8388616.0f;  // 2^23 + 128, 2^23 + 8
+    uint32_t m[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m[k] = __float_as_uint(__fadd_rn(level[k], kMagic));
+    if constexpr (kKind == Codes::int8) {
+      *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(m[0], m[1], m[2], m[3]) ^ 0x80808080u;
+    } else {
+      // each low byte holds two nibbles: the even code's plus 16 times the odd one's (no carry)
+      const uint32_t pair01 = m[0] + (m[1] << 4), pair23 = m[2] + (m[3] << 4);
+      *reinterpret_cast<uint16_t*>(codes + j / 2) = static_cast<uint16_t>(__byte_perm(pair01, pair23, 0x0040u));
+    }
+  }
+}
+
+} // namespace commtune::quant_words
