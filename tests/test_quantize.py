@@ -125,7 +125,9 @@ def test_stochastic_rounding_is_unbiased(device, codes):
 @pytest.mark.parametrize("chunk", [512, 2048])
 def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes, chunk):
     src = (torch.randn(50_000, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
-    src[::3] *= 1e-4
+    # The first half's chunks hold values across many binades (e4m3's subnormal codes, encoded
+    # a code at a time); the second half's only normal ones (e4m3's word-at-a-time encoder).
+    src[:25_000:3] *= 1e-4
     cpu = round_trip(src, 3, chunk, 12345, codes)
     gpu = round_trip(src.cuda(), 3, chunk, 12345, codes)
     for a, b in zip(cpu[:4], gpu[:4]):

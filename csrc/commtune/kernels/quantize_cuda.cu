@@ -173,10 +173,13 @@ __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int 
     uint32_t random[4] = {quant::kHalf16, quant::kHalf16, quant::kHalf16, quant::kHalf16};
     const uint64_t point = lane_point + static_cast<uint64_t>(Map::offset(i) / 4) * quant::kGolden;
     if (draws >= 0) quant::four_random_at(point, random);
-    int8_t q[4];
     float level[4];
-    quant::encode_four_drawn(v[i], random, draws < 0, inverse, kKind, q, level);
-    quant_words::store_four<kKind>(codes, j, q, level);
+    if (kKind != quant::Codes::e4m3 ||
+        !quant_words::store_normal_e4m3(v[i], inverse, random, draws < 0, codes, j, level)) {
+      int8_t q[4];
+      quant::encode_four_drawn(v[i], random, draws < 0, inverse, kKind, q, level);
+      quant_words::store_four<kKind>(codes, j, q, level);
+    }
     if (error != nullptr) {
       store_error_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, v[i], level, scale);
     }

@@ -38,21 +38,45 @@ struct CodeWords {
 // their selectors into registers instead, reloading them before each use (a move a code, int4).
 constexpr uint32_t kMagicBits = 0x4B000000u;
 
-// Code k of a word of stored codes as its level (quant::level_of_stored's value); `magic`:
-// kMagicBits. Integer codes go into their float's mantissa with one byte permute
-// (small_int_to_float's layout) rather than a shift and two masks. An e4m3 byte's bits, moved
-// into an fp16's (sign to sign, the rest 7 places up), are its level times 2^-8, subnormals
-// included; the converter turns two fp16 into floats, and the scale times 2^8 (word_scale)
-// restores the product exactly (scale <= FLT_MAX / 448 cannot overflow).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// sm_89 on converts two e4m3 bytes to two fp16 in one instruction, exactly (every e4m3 value,
+// subnormals too, is an fp16): the pair's halves hold the levels themselves.
+constexpr float kE4m3HalfFactor = 1.0f;
+#else
+// Elsewhere an e4m3 byte's bits, moved into an fp16's (sign to sign, the rest 7 places up), are
+// its level times 2^-8, subnormals included.
+constexpr float kE4m3HalfFactor = 256.0f;
+#endif
+
+// Codes 2p and 2p + 1 of a word of e4m3 codes as two fp16, their levels over kE4m3HalfFactor.
+__device__ __forceinline__ uint32_t e4m3_pair_halves(uint32_t word, int p) {
+  uint32_t halves;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // the pair's 16 bits read in place (ptxas selects the register's upper half, no shift)
+  if (p == 0) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(halves) : "r"(word));
+  } else {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(halves) : "r"(word));
+  }
+#else
+  // the pair's magnitudes (7 bits) at bits 0 and 16, times 2^7, plus their signs at bits 15
+  // and 31: two byte permutes and a multiply-add (no carries: the fields do not overlap)
+  const uint32_t magnitudes = word & 0x7F7F7F7Fu, signs = word ^ magnitudes;
+  const uint32_t low = __byte_perm(magnitudes, 0u, p == 0 ? 0x4140u : 0x4342u);
+  const uint32_t high = __byte_perm(signs, 0u, p == 0 ? 0x1404u : 0x3424u);
+  halves = low * 128u + high;
+#endif
+  return halves;
+}
+
+// Code k of a word of stored codes as its level (quant::level_of_stored's value) over
+// word_scale's factor; `magic`: kMagicBits. Integer codes go into their float's mantissa with
+// one byte permute (small_int_to_float's layout) rather than a shift and two masks. e4m3 codes
+// go in pairs to fp16 (e4m3_pair_halves), which the converter turns into floats.
 template <Codes kKind>
 __device__ __forceinline__ float level_in_word(uint32_t word, int k, uint32_t magic) {
   if constexpr (kKind == Codes::e4m3) {
-    // the pair's magnitudes (7 bits) at bits 0 and 16, times 2^7, plus their signs at bits 15
-    // and 31: two byte permutes and a multiply-add (no carries: the fields do not overlap)
-    const uint32_t magnitudes = word & 0x7F7F7F7Fu, signs = word ^ magnitudes;
-    const uint32_t low = __byte_perm(magnitudes, 0u, k < 2 ? 0x4140u : 0x4342u);
-    const uint32_t high = __byte_perm(signs, 0u, k < 2 ? 0x1404u : 0x3424u);
-    const uint32_t halves = low * 128u + high;
+    const uint32_t halves = e4m3_pair_halves(word, k / 2);
     __half2 pair;
     memcpy(&pair, &halves, sizeof pair);
     const float2 values = __half22float2(pair);
@@ -66,10 +90,11 @@ __device__ __forceinline__ float level_in_word(uint32_t word, int k, uint32_t ma
   }
 }
 
-// The factor level_in_word's levels take to be decoded: the chunk's scale (times 2^8 for e4m3).
+// The factor level_in_word's levels take to be decoded: the chunk's scale (e4m3: times
+// kE4m3HalfFactor, exactly, since scale <= FLT_MAX / 448 cannot overflow).
 template <Codes kKind>
 __device__ __forceinline__ float word_scale(float scale) {
-  return kKind == Codes::e4m3 ? quant::mul(scale, 256.0f) : scale;
+  return kKind == Codes::e4m3 && kE4m3HalfFactor != 1.0f ? quant::mul(scale, kE4m3HalfFactor) : scale;
 }
 
 // The low bytes of a, b, c, d as one word (a's lowest): three byte permutes.
@@ -98,6 +123,41 @@ __device__ __forceinline__ void store_four(uint8_t* codes, int64_t j, const int8
       *reinterpret_cast<uint16_t*>(codes + j / 2) = static_cast<uint16_t>(__byte_perm(pair01, pair23, 0x0040u));
     }
   }
+}
+
+// e4m3's smallest normal value, 2^-6: scaled values at least this large are rounded in their
+// fp32 bits alone (quant::encode_e4m3's second branch).
+constexpr float kE4m3Normal = 0.015625f;
+
+// Codes j..j+3 of a chunk as quant::encode_e4m3 makes them (the same bytes and levels) from
+// values x[0..3] and their draws, stored as one word, in a third of the per-code rule's
+// instructions: when every scaled value is at least 2^-6 in magnitude (no subnormal step, no
+// zero, no NaN), each code's magnitude is at least 8, so its sign is the value's, and there is
+// no branch a code. Scaled values below that are rare (1e-4 of the chunk's absmax), so the warp
+// votes: unless every lane taking part has such a group, it returns false and stores nothing.
+__device__ __forceinline__ bool store_normal_e4m3(const float (&x)[4], float inverse, const uint32_t (&random)[4],
+                                                  bool nearest, uint8_t* codes, int64_t j, float (&level)[4]) {
+  float y[4];
+  bool normal = true;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    y[k] = quant::mul(x[k], inverse);
+    normal = normal && fabsf(y[k]) >= kE4m3Normal;  // false for NaN too
+  }
+  if (!__all_sync(__activemask(), normal)) return false;
+  uint32_t magnitude[4], top[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t bits = __float_as_uint(fminf(fabsf(y[k]), 448.0f));
+    const uint32_t below = nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random[k] << 4;
+    const uint32_t rounded = bits + below;
+    top[k] = __float_as_uint(y[k]) >> 24;             // the sign at bit 7
+    magnitude[k] = (rounded >> 20) - (120u << 3);     // 8..126: no carry into the sign's bit
+    level[k] = __uint_as_float((rounded & 0xFFF00000u) | (top[k] << 24 & 0x80000000u));
+  }
+  const uint32_t signs = low_bytes(top[0], top[1], top[2], top[3]) & 0x80808080u;
+  *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(magnitude[0], magnitude[1], magnitude[2], magnitude[3]) | signs;
+  return true;
 }
 
 } // namespace commtune::quant_words
