@@ -133,7 +133,7 @@ constexpr float kE4m3Normal = 0.015625f;
 // values x[0..3] and their draws, stored as one word, in a third of the per-code rule's
 // instructions: when every scaled value is at least 2^-6 in magnitude (no subnormal step, no
 // zero, no NaN), each code's magnitude is at least 8, so its sign is the value's, and there is
-// no branch a code. Scaled values below that are rare (1e-4 of the chunk's absmax), so the warp
+// no branch a code. Scaled values below that (3.5e-5 of the chunk's absmax) are rare, so the warp
 // votes: unless every lane taking part has such a group, it returns false and stores nothing.
 __device__ __forceinline__ bool store_normal_e4m3(const float (&x)[4], float inverse, const uint32_t (&random)[4],
                                                   bool nearest, uint8_t* codes, int64_t j, float (&level)[4]) {
