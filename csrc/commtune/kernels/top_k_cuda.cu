@@ -1,7 +1,6 @@
 // CUDA side of threshold_top_k_ (checks and the CPU loop in top_k.cpp), three kernels:
-// 1. Many blocks gather the sample, then one block finds its threshold a bit at a time from the
-//    top: the want-th largest key is the largest t with at least `want` keys >= t (non-negative
-//    floats order as their bits), 31 block-wide counts.
+// 1. Many blocks gather the sample, then one block finds its threshold, the want-th largest key
+//    (non-negative floats order as their bits), 8 bits at a time from the top.
 // 2. The bucket streams through once in tiles of 4096 entries, with no block waiting on another:
 //    each block counts its tile's qualifying entries and writes them, in index order, to the
 //    tile's slots in a scratch buffer (room for twice the expected number).
@@ -25,7 +24,7 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
-// One instruction from sm_80 on (the sample's search runs 62 of these one after another).
+// One instruction from sm_80 on.
 __device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   return __reduce_add_sync(kFull, v);
@@ -56,39 +55,79 @@ struct Scratch {
 constexpr int kSampleThreads = 1024;
 constexpr int kKeysPerThread = static_cast<int>(kTopKSample / kSampleThreads);
 
-// The sample's keys (|x| as bits; 0 past the sample, never counted since every candidate tried
-// is at least 1), gathered by many blocks: entries a stride apart are each a DRAM access of
-// their own, which one block would issue too few of at a time.
+// The sample's keys (|x| as bits; 0 past the sample, which cannot move the want-th largest:
+// want <= the sample's size, and no key is below 0), gathered by many blocks: entries a stride
+// apart are each a DRAM access of their own, which one block would issue too few of at a time.
 template <typename scalar_t>
 __global__ void sample_keys_kernel(const scalar_t* __restrict__ x, TopKSample sample, uint32_t* keys) {
   const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (s < kTopKSample) keys[s] = s < sample.size ? quant::float_bits(fabsf(static_cast<float>(x[s * sample.stride]))) : 0u;
 }
 
+// The sample's threshold, the want-th largest key, 8 bits at a time from the top (4 rounds; a
+// bit at a time took 31 block-wide counts, 11.7 us on an H200): each round counts the keys that
+// match the digits found so far by their next digit and takes the largest digit d with at least
+// `want` of them at or above it. The key sought has digit d, and is the (want - those above
+// d)-th largest of the keys that do. Each round has its own histogram (zeroed once), so one
+// barrier a round.
 __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const uint32_t* __restrict__ sampled,
                                                                           TopKSample sample, float* threshold) {
-  static_assert(kSampleThreads / 32 == 32, "a warp adds up the warps' counts");
-  __shared__ uint32_t warp_counts[2][kSampleThreads / 32];
+  constexpr int kRounds = 4, kBins = 256, kBinsPerLane = kBins / 32;
+  __shared__ uint32_t histograms[kRounds][kBins];
   uint32_t keys[kKeysPerThread];
 #pragma unroll
   for (int j = 0; j < kKeysPerThread; ++j) keys[j] = sampled[threadIdx.x + kSampleThreads * j];
-  const uint32_t want = static_cast<uint32_t>(sample.want);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  uint32_t found = 0;
-  // |x| has no sign bit: bit 30 is the top one. Two count buffers, so one barrier a bit: a warp
-  // writes a buffer again only after every warp has passed the barrier of the bit between.
-  for (int bit = 30; bit >= 0; --bit) {
-    const uint32_t candidate = found | 1u << bit;
-    uint32_t mine = 0;
+  for (int i = threadIdx.x; i < kRounds * kBins; i += kSampleThreads) histograms[i / kBins][i % kBins] = 0;
+  const int lane = threadIdx.x % 32;
+  uint32_t want = static_cast<uint32_t>(sample.want), prefix = 0;
+  __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kKeysPerThread; ++j) mine += keys[j] >= candidate;
-    uint32_t* counts = warp_counts[bit % 2];
-    const uint32_t in_warp = warp_sum(mine);
-    if (lane == 0) counts[warp] = in_warp;
+  for (int round = 0; round < kRounds; ++round) {
+    const int shift = 8 * (kRounds - 1 - round);
+    uint32_t* bins = histograms[round];
+#pragma unroll
+    for (int j = 0; j < kKeysPerThread; ++j) {
+      const uint32_t digit = keys[j] >> shift & 0xFFu;
+      if (round == 0) {
+        // Most keys share their top digit (the exponent's): lanes with the same digit add once,
+        // as one shared atomic, rather than queue on one address.
+        const uint32_t peers = __match_any_sync(kFull, digit);
+        if (lane == __ffs(peers) - 1) atomicAdd(&bins[digit], static_cast<uint32_t>(__popc(peers)));
+      } else if ((keys[j] >> (shift + 8)) == prefix) {  // later digits spread: few lanes meet
+        atomicAdd(&bins[digit], 1u);
+      }
+    }
     __syncthreads();
-    if (warp_sum(counts[lane]) >= want) found = candidate;  // the same in every thread
+    // Every warp finds the digit (no broadcast, no further barrier): lane l holds bins
+    // 8l..8l+7; `from` counts the keys in its bins and those above.
+    uint32_t mine[kBinsPerLane], lane_total = 0;
+#pragma unroll
+    for (int b = 0; b < kBinsPerLane; ++b) lane_total += mine[b] = bins[kBinsPerLane * lane + b];
+    uint32_t from = lane_total;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const uint32_t other = __shfl_down_sync(kFull, from, o);
+      if (lane + o < 32) from += other;
+    }
+    const uint32_t enough = __ballot_sync(kFull, from >= want);
+    // the highest lane with enough keys at or above its bins (none: the digit is 0)
+    const int holder = enough != 0 ? 31 - __clz(enough) : 0;
+    uint32_t digit = 0, above = from - lane_total;  // keys in the bins above this lane's
+    if (lane == holder && enough != 0) {
+      for (int b = kBinsPerLane - 1; b >= 0; --b) {
+        if (above + mine[b] >= want) {
+          digit = kBinsPerLane * lane + b;
+          break;
+        }
+        above += mine[b];
+      }
+    }
+    digit = __shfl_sync(kFull, digit, holder);
+    above = __shfl_sync(kFull, above, holder);
+    if (enough != 0) want -= above;
+    prefix = prefix << 8 | digit;
   }
-  if (threadIdx.x == 0) *threshold = quant::float_from_bits(found);
+  if (threadIdx.x == 0) *threshold = quant::float_from_bits(prefix);
 }
 
 // ---- 2. the streaming pass -----------------------------------------------------------------
