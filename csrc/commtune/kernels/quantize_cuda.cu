@@ -256,7 +256,8 @@ __device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* s
 
 // Two ranks' words in flight at a time, 3 blocks an SM (up to 85 registers, the bound below). Four
 // ranks (117 registers, 2 blocks) measured 13% slower on an H200, and 4 blocks an SM (64
-// registers, a few spilled) 1-7% slower for int8 and on one shard (benchmarks/results/NOTES.md).
+// registers, a few spilled) 1-7% slower for int8 and on one shard; four ranks of int4 (whose
+// words take the registers two of int8's do) 3% slower (benchmarks/results/NOTES.md).
 constexpr int kRanksInFlight = 2;
 
 // kFull: chunks of 1024 (the default), every word of a lane's in the chunk, which spares the
