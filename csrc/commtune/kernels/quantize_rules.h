@@ -173,6 +173,17 @@ COMMTUNE_HD float scale_of(float absmax, Codes codes) { return div(absmax, top_o
 
 COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) : 0.0f; }
 
+// a's fp32 bits (2^-6 <= a <= 448: e4m3's normal range) rounded to e4m3's 3 mantissa bits:
+// returns the kept fp32 bits (the code's value) and sets `magnitude` to e4m3's 7 bits (8..126).
+// Stochastically the 20 bits below the kept ones get the 16 random bits at their top; to
+// nearest, half of them plus the kept lowest bit (ties to even). fp32 exponent 127 + e becomes
+// e4m3's 7 + e; 448 = 0x43E00000 never carries past 0x7E.
+COMMTUNE_HD uint32_t e4m3_round_normal(uint32_t bits, uint32_t random, bool nearest, uint32_t& magnitude) {
+  const uint32_t rounded = bits + (nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random << 4);
+  magnitude = (rounded >> 20) - (120u << 3);
+  return rounded & 0xFFF00000u;
+}
+
 // y (already scaled, |y| <= 448 up to rounding) as an e4m3fn byte: 3 mantissa bits, exponent
 // bias 7, subnormals below 2^-6 in steps of 2^-9. `random`: 16 random bits (ignored to nearest).
 // `level` = the byte's value (decode_e4m3's), which the rounding leaves in hand: the fp32 bits
@@ -188,13 +199,7 @@ COMMTUNE_HD uint8_t encode_e4m3(float y, uint32_t random, bool nearest, float& l
     magnitude = static_cast<uint32_t>(rounded);
     kept = mul(rounded, 0.001953125f);  // exact
   } else {
-    // 20 bits below the kept ones (the random bits at their top); to nearest, half of them plus
-    // the kept lowest bit (ties to even)
-    const uint32_t below = nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random << 4;
-    // fp32 exponent 127 + e becomes e4m3's 7 + e; 448 = 0x43E00000 never carries past 0x7E
-    const uint32_t rounded = bits + below;
-    magnitude = (rounded >> 20) - (120u << 3);
-    kept = float_from_bits(rounded & 0xFFF00000u);
+    kept = float_from_bits(e4m3_round_normal(bits, random, nearest, magnitude));
   }
   const bool negative = magnitude != 0 && y < 0.0f;  // code 0 is +0
   level = negative ? -kept : kept;

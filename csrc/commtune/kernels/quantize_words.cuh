@@ -149,11 +149,10 @@ __device__ __forceinline__ bool store_normal_e4m3(const float (&x)[4], float inv
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const uint32_t bits = __float_as_uint(fminf(fabsf(y[k]), 448.0f));
-    const uint32_t below = nearest ? 0x7FFFFu + ((bits >> 20) & 1u) : random[k] << 4;
-    const uint32_t rounded = bits + below;
-    top[k] = __float_as_uint(y[k]) >> 24;             // the sign at bit 7
-    magnitude[k] = (rounded >> 20) - (120u << 3);     // 8..126: no carry into the sign's bit
-    level[k] = __uint_as_float((rounded & 0xFFF00000u) | (top[k] << 24 & 0x80000000u));
+    // magnitude 8..126: no carry into the sign's bit
+    const uint32_t kept = quant::e4m3_round_normal(bits, random[k], nearest, magnitude[k]);
+    top[k] = __float_as_uint(y[k]) >> 24;  // the sign at bit 7
+    level[k] = __uint_as_float(kept | (top[k] << 24 & 0x80000000u));
   }
   const uint32_t signs = low_bytes(top[0], top[1], top[2], top[3]) & 0x80808080u;
   *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(magnitude[0], magnitude[1], magnitude[2], magnitude[3]) | signs;
