@@ -2,7 +2,9 @@
 // the entries with |x| >= t are written out, in index order, to per-tile slots? The question
 // behind TopK's threshold selection (csrc/commtune/kernels/top_k_cuda.cu); the answers and the
 // eleventh session's runs are in benchmarks/results/NOTES.md and topk_stream_probe_session11.txt.
-//   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/stream_probe benchmarks/probes/stream_probe.cu && /tmp/stream_probe
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Icsrc -o /tmp/stream_probe benchmarks/probes/stream_probe.cu && /tmp/stream_probe
+#include <commtune/kernels/quantize_rules.h>  // header-only: the counter hash the fill uses
+
 #include <cstdio>
 #include <cstdint>
 #include <vector>
@@ -11,11 +13,11 @@
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 constexpr unsigned kFull = 0xffffffffu;
 
-__device__ uint64_t mix(uint64_t z) { z += 0x9E3779B97F4A7C15ull; z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull; z = (z ^ (z >> 27)) * 0x94D049BB133111EBull; return z ^ (z >> 31); }
+// x[i]: a normal draw (Box-Muller) from entry i's hash.
 __global__ void fill_normal(float* x, int64_t n) {
   int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i >= n) return;
-  uint64_t h = mix(i);
+  uint64_t h = commtune::quant::mix(i + commtune::quant::kGolden);
   float u1 = ((h >> 40) + 1) * (1.0f / 16777217.0f), u2 = ((h & 0xFFFFFF)) * (1.0f / 16777216.0f);
   x[i] = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
 }
@@ -36,7 +38,7 @@ __global__ void read_sum(const float4* __restrict__ x, int64_t n4, float* out) {
   if (acc == 1234.5f) *out = acc;
 }
 
-// Non-persistent read: one tile per block, like gather (kTile floats per block)
+// Non-persistent read: one tile of 4096 floats a block, as the landed streaming pass reads
 __global__ void __launch_bounds__(256, 8) read_tile(const float4* __restrict__ x, int64_t n4, float* out) {
   int64_t at = blockIdx.x * (int64_t)1024 + threadIdx.x;
   float4 v[4];
@@ -54,7 +56,7 @@ __device__ __forceinline__ void store_keep(int2* p, int2 v) {
 }
 // Warp tiles with one packed scan a tile: lane's count of group g in byte g (<= 4 a lane, <= 128 a warp).
 // kMode 0: no candidate stores; 1: plain stores; 3: stores with an L2 evict-last hint. The
-// candidates go to sink[0..capacity) (a tile's slots, or a shared-memory stage); returns the count.
+// candidates go to slots[0..capacity) (a tile's, or a shared-memory stage); returns the count.
 template <int G, int kMode = 1>
 __device__ __forceinline__ uint32_t warp_tile(int64_t numel, int2* slots, uint32_t* counts,
     float threshold, int capacity, int64_t tile, const float (&v)[G][4]) {
@@ -86,39 +88,40 @@ __device__ __forceinline__ uint32_t warp_tile(int64_t numel, int2* slots, uint32
   if (lane == 0) counts[tile] = before;
   return before;
 }
-template <int G, bool kCs>
+// A warp tile's entries, read once (evict-first loads).
+template <int G>
 __device__ __forceinline__ void load_tile(const float* __restrict__ x, int64_t numel, int64_t tile, float (&v)[G][4]) {
   const int64_t at = tile * (128 * G) + 4 * (threadIdx.x % 32);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     int64_t a = at + 128 * g;
-    if (a + 3 < numel) { float4 f = kCs ? __ldcs(reinterpret_cast<const float4*>(x + a)) : *reinterpret_cast<const float4*>(x + a); v[g][0]=f.x; v[g][1]=f.y; v[g][2]=f.z; v[g][3]=f.w; }
+    if (a + 3 < numel) { float4 f = __ldcs(reinterpret_cast<const float4*>(x + a)); v[g][0]=f.x; v[g][1]=f.y; v[g][2]=f.z; v[g][3]=f.w; }
     else for (int e = 0; e < 4; ++e) v[g][e] = a + e < numel ? x[a + e] : 0.f;
   }
 }
-template <int G, bool kCs, int kMode = 1>
+template <int G, int kMode = 1>
 __global__ void __launch_bounds__(256) gather_warp2(const float* __restrict__ x, int64_t numel, int2* slots, uint32_t* counts, const float* thr, int capacity) {
   const int64_t tile = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
   if (tile * 128 * G >= numel) return;
   float v[G][4];
-  load_tile<G, kCs>(x, numel, tile, v);
+  load_tile<G>(x, numel, tile, v);
   warp_tile<G, kMode>(numel, slots + tile * capacity, counts, *thr, capacity, tile, v);
 }
 // Candidates staged in shared memory, then written by the warp in coalesced rows.
-template <int G, bool kPad = false, bool kKeep = false>
+template <int G, bool kPad = false>
 __global__ void __launch_bounds__(256) gather_staged(const float* __restrict__ x, int64_t numel, int2* slots_all, uint32_t* counts, const float* thr, int capacity) {
   __shared__ int2 stage[8][128];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t tile = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
   if (tile * 128 * G >= numel) return;
   float v[G][4];
-  load_tile<G, true>(x, numel, tile, v);
+  load_tile<G>(x, numel, tile, v);
   const uint32_t before = warp_tile<G>(numel, stage[warp], counts, *thr, 128, tile, v);
   __syncwarp();
   int2* slots = slots_all + tile * capacity;
   uint32_t n = min(before, (uint32_t)min(capacity, 128));
   if (kPad) { for (uint32_t j = n + lane; j < ((n + 3) & ~3u); j += 32) stage[warp][j] = make_int2(0, 0); __syncwarp(); n = (n + 3) & ~3u; }
-  for (uint32_t j = lane; j < n; j += 32) { if (kKeep) store_keep(slots + j, stage[warp][j]); else slots[j] = stage[warp][j]; }
+  for (uint32_t j = lane; j < n; j += 32) slots[j] = stage[warp][j];
 }
 
 int main() {
@@ -151,11 +154,11 @@ int main() {
     auto cap_of = [&](int tilesz) { int e = (int)(tilesz * r); return (2 * e + 32 + 31) / 32 * 32; };
     const int grid4 = (n / 512 * 32 + 255) / 256 + 1;
     snprintf(nm, 96, "warp2 (512/warp) t=%.3f", t);
-    time(nm, [&] { gather_warp2<4, true><<<grid4, 256>>>(x, n, slots, counts, thr, cap_of(512)); }, 4.0 * n);
+    time(nm, [&] { gather_warp2<4><<<grid4, 256>>>(x, n, slots, counts, thr, cap_of(512)); }, 4.0 * n);
     snprintf(nm, 96, "warp2, no candidate stores t=%.3f", t);
-    time(nm, [&] { gather_warp2<4, true, 0><<<grid4, 256>>>(x, n, slots, counts, thr, cap_of(512)); }, 4.0 * n);
+    time(nm, [&] { gather_warp2<4, 0><<<grid4, 256>>>(x, n, slots, counts, thr, cap_of(512)); }, 4.0 * n);
     snprintf(nm, 96, "warp2, stores evict_last t=%.3f", t);
-    time(nm, [&] { gather_warp2<4, true, 3><<<grid4, 256>>>(x, n, slots, counts, thr, cap_of(512)); }, 4.0 * n);
+    time(nm, [&] { gather_warp2<4, 3><<<grid4, 256>>>(x, n, slots, counts, thr, cap_of(512)); }, 4.0 * n);
     snprintf(nm, 96, "staged in shared memory t=%.3f", t);
     time(nm, [&] { gather_staged<4><<<grid4, 256>>>(x, n, slots, counts, thr, cap_of(512)); }, 4.0 * n);
     snprintf(nm, 96, "staged, padded to whole sectors t=%.3f", t);
