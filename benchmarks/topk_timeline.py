@@ -1,7 +1,8 @@
 """The threshold top-k's kernels on the device's timeline (one GPU): each kernel's time and the
 gap before it, by CUPTI (torch.profiler), 20 calls queued behind a spin kernel as
 compression.py queues them; medians over the calls after the first. compression.py times the
-whole call; this says where its time goes.
+whole call; this says where its time goes. From sm_90 on a kernel starts while the one before it
+runs (dependent launch), so its gap is negative: it began that long before the previous ended.
 
     python benchmarks/topk_timeline.py   # writes $OUT/topk_kernels.json (or ./topk_kernels.json)
 """
@@ -35,8 +36,8 @@ kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.e
 names = {}
 for _, _, n in kernels:
     names[n[:70]] = names.get(n[:70], 0) + 1
-# calls start at their memset
-starts = [i for i, (_, _, n) in enumerate(kernels) if "emset" in n] + [len(kernels)]
+# calls start at their sample's gather
+starts = [i for i, (_, _, n) in enumerate(kernels) if "sample_keys" in n] + [len(kernels)]
 per_kernel, gaps, spans = {}, {}, []
 for a, b in zip(starts[:-1], starts[1:]):
     one = kernels[a:b]

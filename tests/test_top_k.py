@@ -29,8 +29,9 @@ def rule(x, k):
 
 
 def pick(x, k, clear):
-    piece = torch.empty(2 * k, dtype=torch.int32, device=x.device)
-    qualifying = torch.empty(1, dtype=torch.int64, device=x.device)
+    # not zeros: the unused slots must be cleared by the call
+    piece = torch.full((2 * k,), -1, dtype=torch.int32, device=x.device)
+    qualifying = torch.full((1,), -1, dtype=torch.int64, device=x.device)
     _C.threshold_top_k_(x, k, piece, qualifying, clear)
     return piece[:k].view(torch.float32).cpu(), piece[k:].cpu(), int(qualifying.item())
 
@@ -100,6 +101,51 @@ def test_cuda_and_cpu_pick_the_same(dtype):
     gpu = pick(x.cuda(), 3000, True)
     for a, b in zip(cpu, gpu):
         assert a == b if isinstance(a, int) else torch.equal(a, b)
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 0), (torch.float32, 1), (torch.float16, 0), (torch.float64, 0)])
+def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
+    # 6M entries: on an H200 each block of the streaming pass takes about three tiles, the first
+    # ones loaded while the threshold is found (sm_90 on). offset 1: a bucket not 16-byte aligned,
+    # whose tiles are copied entry by entry.
+    x = torch.randn(6_000_001, generator=torch.Generator().manual_seed(4))
+    x[5_000_000:5_100_000] *= 50  # crowded tiles late in the bucket, read again when placed
+    x = x.to(dtype)
+    k = 60_000
+    values, indices, qualifying = rule(x, k)
+    on = torch.cat([torch.zeros(offset, dtype=dtype), x]).cuda()[offset:]
+    got_values, got_indices, got_qualifying = pick(on, k, True)
+    assert got_qualifying == qualifying
+    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+    expected = x.clone()
+    expected[indices[: min(qualifying, k)].long()] = 0
+    assert torch.equal(on.cpu(), expected)
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+def test_cuda_calls_queued_back_to_back_see_each_other():
+    # Each call's kernels start before the previous kernel ends (sm_90 on); a call must still see
+    # the entries the call before it cleared. Three calls queued without a sync, against the rule
+    # applied three times.
+    x = torch.randn(5_000_000, generator=torch.Generator().manual_seed(6))
+    k = 50_000
+    on = x.cuda()
+    pieces, counts = [], []
+    for _ in range(3):
+        piece = torch.full((2 * k,), -1, dtype=torch.int32, device="cuda")
+        count = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+        _C.threshold_top_k_(on, k, piece, count, True)
+        pieces.append(piece)
+        counts.append(count)
+    for piece, count in zip(pieces, counts):
+        values, indices, qualifying = rule(x, k)
+        x[indices[: min(qualifying, k)].long()] = 0
+        assert int(count.item()) == qualifying
+        assert torch.equal(piece[k:].cpu(), indices) and torch.equal(piece[:k].view(torch.float32).cpu(), values)
+    assert torch.equal(on.cpu(), x)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,11 +2,16 @@
 // 1. Many blocks gather the sample, then one block finds its threshold, the want-th largest key
 //    (non-negative floats order as their bits), 8 bits at a time from the top.
 // 2. The bucket streams through once in tiles of 4096 entries, with no block waiting on another:
-//    each block counts its tile's qualifying entries and writes them, in index order, to the
-//    tile's slots in a scratch buffer (room for twice the expected number).
+//    one wave of blocks, each with two tiles in flight into shared memory, counts each tile's
+//    qualifying entries and writes them, in index order, to the tile's slots in a scratch buffer
+//    (room for twice the expected number).
 // 3. Blocks of 8 tiles add up the counts before them and copy each tile's entries to their
 //    places among the first k (and clear them from the bucket). A tile with more qualifying
 //    entries than slots is read again from the bucket by the warp that places it.
+// From sm_90 on, each kernel is launched while the one before runs (dependent_launch.cuh): no
+// gaps between them, and the streaming pass's blocks load their first tiles while the single
+// block finds the threshold (~9 us), instead of leaving the memory idle until it is found.
+#include <commtune/kernels/dependent_launch.cuh>
 #include <commtune/kernels/four.cuh>
 #include <commtune/kernels/quantize_rules.h>
 #include <commtune/kernels/top_k.h>
@@ -60,6 +65,7 @@ constexpr int kKeysPerThread = static_cast<int>(kTopKSample / kSampleThreads);
 // apart are each a DRAM access of their own, which one block would issue too few of at a time.
 template <typename scalar_t>
 __global__ void sample_keys_kernel(const scalar_t* __restrict__ x, TopKSample sample, uint32_t* keys) {
+  dependent::allow_next_grid();
   const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (s < kTopKSample) keys[s] = s < sample.size ? quant::float_bits(fabsf(static_cast<float>(x[s * sample.stride]))) : 0u;
 }
@@ -74,6 +80,8 @@ __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const 
                                                                           TopKSample sample, float* threshold) {
   constexpr int kRounds = 4, kBins = 256, kBinsPerLane = kBins / 32;
   __shared__ uint32_t histograms[kRounds][kBins];
+  dependent::allow_next_grid();  // the streaming pass's blocks start, then wait for the threshold
+  dependent::wait_for_prior_grid();  // the sample's keys
   uint32_t keys[kKeysPerThread];
 #pragma unroll
   for (int j = 0; j < kKeysPerThread; ++j) keys[j] = sampled[threadIdx.x + kSampleThreads * j];
@@ -132,69 +140,165 @@ __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const 
 
 // ---- 2. the streaming pass -----------------------------------------------------------------
 // Field g (16 bits) of a packed count holds group g's count: a block's per-group counts
-// (<= 1024) scan in one 64-bit word.
+// (<= 1024) scan in one 64-bit word. Within a warp (<= 128 a group) 8-bit fields of one 32-bit
+// word do, widened for the block by two byte permutes.
 __device__ __forceinline__ uint32_t field(uint64_t packed, int g) {
   return static_cast<uint32_t>(packed >> (16 * g)) & 0xFFFFu;
 }
 
+__device__ __forceinline__ uint64_t widen(uint32_t bytes) {
+  return static_cast<uint64_t>(__byte_perm(bytes, 0u, 0x4342u)) << 32 | __byte_perm(bytes, 0u, 0x4140u);
+}
+
+// One wave of blocks, each taking every gridDim.x-th tile, with kStages tiles in flight into
+// shared memory: the first kStages are requested before the threshold is known, so they load
+// while the search runs (25 MB on an H200); each tile processed frees its stage for the one
+// kStages ahead. Two stages of 16 KB and 6 blocks an SM: 0.4-0.9 us a call faster than three
+// stages and 4 blocks, or four and 3 (H200, topk_timeline.py).
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads, 8) gather_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch,
-                                                          bool vector) {
+constexpr int kStages = sizeof(scalar_t) <= 4 ? 2 : 1;
+constexpr int kStreamingBlocksPerSm = 6;
+
+template <typename scalar_t>
+constexpr int stage_bytes() {
+  return static_cast<int>(kTile * sizeof(scalar_t));
+}
+
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Returns when at most kPending of this thread's committed groups of copies are unfinished.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Requests tile `tile` into `stage` (zeros past numel): 16-byte asynchronous copies where the
+// whole tile exists and x is 16-byte aligned, else plain loads and stores.
+template <typename scalar_t>
+__device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_t numel, int tile, bool vector,
+                                          scalar_t* stage) {
+  const int64_t first = static_cast<int64_t>(tile) * kTile;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (vector && first + kTile <= numel) {
+    const char* from = reinterpret_cast<const char*>(x + first);
+    const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
+    constexpr int kPieces = stage_bytes<scalar_t>() / 16;
+    static_assert(kPieces % kThreads == 0, "a tile is whole 16-byte pieces for every thread");
+#pragma unroll
+    for (int i = 0; i < kPieces / kThreads; ++i) {
+      const int p = threadIdx.x + kThreads * i;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to + 16 * p), "l"(from + 16 * p) : "memory");
+    }
+    return;
+  }
+#endif
+  for (int j = threadIdx.x; j < kTile; j += kThreads) stage[j] = first + j < numel ? x[first + j] : scalar_t(0);
+}
+
+// What the streaming pass does before the threshold is known: the picks' slots zeroed (unused
+// ones send value 0 at index 0).
+struct Zeroes {
+  int32_t* piece;
+  int64_t words;
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
+    gather_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool vector, Zeroes zeroes) {
+  extern __shared__ __align__(16) unsigned char stage_memory[];
   __shared__ uint64_t warp_packed[kThreads / 32];
-  const int tile = blockIdx.x;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  // Group g of this thread: entries at + 4 * kThreads * g .. + 3, so a warp's loads of one g are
-  // contiguous; index order within the tile is (g, thread, entry). Indices fit in 32 bits.
-  const int at = tile * static_cast<int>(kTile) + 4 * threadIdx.x;
-  float v[kGroups][4];
+  constexpr int kDepth = kStages<scalar_t>;
+  const auto stage = [&](int s) { return reinterpret_cast<scalar_t*>(stage_memory + s * stage_bytes<scalar_t>()); };
+  const int tiles = static_cast<int>(scratch.tiles);
 #pragma unroll
-  for (int g = 0; g < kGroups; ++g) four::load(x, at + 4 * kThreads * g, numel, vector, v[g]);
+  for (int s = 0; s < kDepth; ++s) {
+    const int tile = blockIdx.x + s * gridDim.x;
+    if (tile < tiles) copy_tile(x, numel, tile, vector, stage(s));
+    commit_copies();  // empty groups too: the count of groups stays kDepth ahead
+  }
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; w < zeroes.words;
+       w += static_cast<int64_t>(gridDim.x) * kThreads) {
+    zeroes.piece[w] = 0;
+  }
+  dependent::allow_next_grid();
+  dependent::wait_for_prior_grid();  // the threshold
   const float threshold = *scratch.threshold;
-  uint32_t flags = 0;  // bit 4g + e: entry e of group g qualifies
-  uint64_t packed = 0;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int s = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    wait_copies<kDepth - 1>();  // this tile's group (kDepth - 1 later ones may still load)
+    __syncthreads();
+    const scalar_t* values = stage(s);
+    // Group g of this thread: entries 4 * threadIdx.x + 4 * kThreads * g .. + 3 of the tile, so
+    // a warp's reads of one g are contiguous; index order within the tile is (g, thread, entry).
+    // Indices fit in 32 bits.
+    uint32_t flags = 0;  // bit 4g + e: entry e of group g qualifies
 #pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
+    for (int g = 0; g < kGroups; ++g) {
+      const four::Four<scalar_t> v =
+          *reinterpret_cast<const four::Four<scalar_t>*>(values + 4 * threadIdx.x + 4 * kThreads * g);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool in = at + 4 * kThreads * g + e < numel;  // loads past numel read zeros
-      if (in && fabsf(v[g][e]) >= threshold) flags |= 1u << (4 * g + e);
-    }
-    packed |= static_cast<uint64_t>(__popc((flags >> (4 * g)) & 15u)) << (16 * g);
-  }
-  // Exclusive scan of the packed counts over the block: the warp's, then the warps' before it.
-  uint64_t inclusive = packed;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const uint64_t other = __shfl_up_sync(kFull, inclusive, o);
-    if (lane >= o) inclusive += other;
-  }
-  if (lane == 31) warp_packed[warp] = inclusive;
-  __syncthreads();
-  uint64_t exclusive = inclusive - packed, block = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) {
-    if (w < warp) exclusive += warp_packed[w];
-    block += warp_packed[w];
-  }
-  if (threadIdx.x == 0) scratch.counts[tile] = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
-  if (flags == 0) return;
-  int2* slots = scratch.slots + static_cast<int64_t>(tile) * scratch.capacity;
-  uint32_t before = 0;  // entries of the tile's earlier groups
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    uint32_t slot = before + field(exclusive, g);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (!(flags >> (4 * g + e) & 1u)) continue;
-      if (slot < static_cast<uint32_t>(scratch.capacity)) {
-        // read again (from L1, most likely) rather than kept through the scan: fewer registers,
-        // more blocks in flight
-        const int i = at + 4 * kThreads * g + e;
-        slots[slot] = make_int2(__float_as_int(static_cast<float>(x[i])), i);
+      for (int e = 0; e < 4; ++e) {
+        if (fabsf(static_cast<float>(v.v[e])) >= threshold) flags |= 1u << (4 * g + e);
       }
-      ++slot;
     }
-    before += field(block, g);
+    const int64_t in_tile = numel - static_cast<int64_t>(tile) * kTile;
+    if (in_tile < kTile) {  // the last tile: its zeros past numel qualify when the threshold is 0
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (4 * threadIdx.x + 4 * kThreads * g + e >= in_tile) flags &= ~(1u << (4 * g + e));
+        }
+      }
+    }
+    uint32_t packed = 0;  // byte g: group g's count
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) packed |= __popc((flags >> (4 * g)) & 15u) << (8 * g);
+    // Exclusive scan of the packed counts over the block: the warp's, then the warps' before it.
+    uint32_t inclusive = packed;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const uint32_t other = __shfl_up_sync(kFull, inclusive, o);
+      if (lane >= o) inclusive += other;
+    }
+    if (lane == 31) warp_packed[warp] = widen(inclusive);
+    __syncthreads();
+    uint64_t exclusive = widen(inclusive - packed), block = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) {
+      if (w < warp) exclusive += warp_packed[w];
+      block += warp_packed[w];
+    }
+    if (threadIdx.x == 0) {
+      scratch.counts[tile] = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
+    }
+    if (flags != 0) {
+      int2* slots = scratch.slots + static_cast<int64_t>(tile) * scratch.capacity;
+      // field g: where this thread's entries of group g go, after the tile's earlier groups
+      // (index order is group, thread, entry); fields stay below 2^16, so no carries
+      const uint64_t starts = exclusive + (block << 16) + (block << 32) + (block << 48);
+      for (uint32_t left = flags; left != 0; left &= left - 1) {  // the qualifying entries only
+        const int b = __ffs(left) - 1, g = b / 4;
+        const uint32_t slot = field(starts, g) + __popc(flags & (0xFu << (4 * g)) & ((1u << b) - 1));
+        if (slot < static_cast<uint32_t>(scratch.capacity)) {
+          // read again from shared memory rather than kept through the scan: fewer registers
+          const int j = 4 * threadIdx.x + 4 * kThreads * g + b % 4;
+          slots[slot] = make_int2(__float_as_int(static_cast<float>(values[j])), tile * static_cast<int>(kTile) + j);
+        }
+      }
+    }
+    __syncthreads();  // the stage and warp_packed are free again
+    const int next = tile + kDepth * gridDim.x;
+    if (next < tiles) copy_tile(x, numel, next, vector, stage(s));
+    commit_copies();
+    s = s + 1 == kDepth ? 0 : s + 1;
   }
 }
 
@@ -220,6 +324,7 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
                                                          bool clear) {
   __shared__ uint32_t warp_totals[kThreads / 32];
   __shared__ uint32_t tile_counts[kTilesPerBlock];
+  dependent::wait_for_prior_grid();  // the streaming pass's counts and slots
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock;
   // entries qualifying in the tiles before this block's
@@ -284,8 +389,6 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t numel = x.numel();
-  // unused slots send value 0 at index 0
-  C10_CUDA_CHECK(cudaMemsetAsync(piece.mutable_data_ptr(), 0, piece.nbytes(), stream));
   const int64_t tiles = (numel + kTile - 1) / kTile;
   const int capacity = slots_per_tile(sample);
   at::Tensor memory = at::empty({2 * tiles * capacity + tiles + kTopKSample + 1}, x.options().dtype(at::kInt));
@@ -296,17 +399,23 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
                         reinterpret_cast<float*>(counts + tiles + kTopKSample), tiles, capacity};
   int32_t* out = piece.mutable_data_ptr<int32_t>();
   const Picks picks{reinterpret_cast<float*>(out), out + k, k, qualifying.mutable_data_ptr<int64_t>()};
+  const int device = x.get_device();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
-    sample_keys_kernel<scalar_t><<<kTopKSample / kThreads, kThreads, 0, stream>>>(in, sample, scratch.keys);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sample_threshold_kernel<<<1, kSampleThreads, 0, stream>>>(scratch.keys, sample, scratch.threshold);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    gather_kernel<scalar_t><<<tiles, kThreads, 0, stream>>>(in, numel, scratch, four::aligned<scalar_t>({in}));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    place_kernel<scalar_t><<<(tiles + kTilesPerBlock - 1) / kTilesPerBlock, kThreads, 0, stream>>>(in, numel, scratch,
-                                                                                                   picks, clear);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    constexpr auto kGather = gather_kernel<scalar_t>;
+    const int shared = kStages<scalar_t> * stage_bytes<scalar_t>();
+    const int wave = dependent::blocks_at_once<kGather, kThreads>(device, sms, shared);
+    const bool dependent = dependent::supported<kGather>(device);
+    dependent::launch(false, sample_keys_kernel<scalar_t>, kTopKSample / kThreads, kThreads, 0, stream,
+                      static_cast<const scalar_t*>(in), sample, scratch.keys);
+    dependent::launch(dependent, sample_threshold_kernel, 1, kSampleThreads, 0, stream,
+                      static_cast<const uint32_t*>(scratch.keys), sample, scratch.threshold);
+    dependent::launch(dependent, kGather, static_cast<unsigned>(std::min<int64_t>(tiles, wave)), kThreads, shared,
+                      stream, static_cast<const scalar_t*>(in), numel, scratch, four::aligned<scalar_t>({in}),
+                      Zeroes{out, 2 * k});
+    dependent::launch(dependent, place_kernel<scalar_t>, static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock),
+                      kThreads, 0, stream, in, numel, scratch, picks, clear);
   });
 }
 
