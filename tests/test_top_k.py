@@ -105,15 +105,17 @@ def test_cuda_and_cpu_pick_the_same(dtype):
 
 @needs_cuda
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("dtype,offset", [(torch.float32, 0), (torch.float32, 1), (torch.float16, 0), (torch.float64, 0)])
+@pytest.mark.parametrize(
+    "dtype,offset", [(torch.float32, 0), (torch.float32, 1), (torch.float16, 0), (torch.float16, 4), (torch.float64, 0)]
+)
 def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
-    # 6M entries: on an H200 each block of the streaming pass takes about three tiles, the first
-    # ones loaded while the threshold is found (sm_90 on). offset 1: a bucket not 16-byte aligned,
-    # whose tiles are copied entry by entry.
-    x = torch.randn(6_000_001, generator=torch.Generator().manual_seed(4))
-    x[5_000_000:5_100_000] *= 50  # crowded tiles late in the bucket, read again when placed
+    # 15M entries: on an H200 each block of the streaming pass takes four or five tiles of 4096,
+    # the first two loaded while the threshold is found (sm_90 on). A bucket not 16-byte aligned
+    # (offset 1; fp16 offset 4: 8-byte aligned) has its tiles copied entry by entry.
+    x = torch.randn(15_000_001, generator=torch.Generator().manual_seed(4))
+    x[13_000_000:13_200_000] *= 50  # crowded tiles late in the bucket, read again when placed
     x = x.to(dtype)
-    k = 60_000
+    k = 150_000
     values, indices, qualifying = rule(x, k)
     on = torch.cat([torch.zeros(offset, dtype=dtype), x]).cuda()[offset:]
     got_values, got_indices, got_qualifying = pick(on, k, True)

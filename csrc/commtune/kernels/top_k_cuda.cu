@@ -179,13 +179,14 @@ __device__ __forceinline__ void wait_copies() {
 }
 
 // Requests tile `tile` into `stage` (zeros past numel): 16-byte asynchronous copies where the
-// whole tile exists and x is 16-byte aligned, else plain loads and stores.
+// whole tile exists and x is 16-byte aligned (`aligned16`; tiles start 8 KB or more apart, so
+// then every piece is), else plain loads and stores.
 template <typename scalar_t>
-__device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_t numel, int tile, bool vector,
+__device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_t numel, int tile, bool aligned16,
                                           scalar_t* stage) {
   const int64_t first = static_cast<int64_t>(tile) * kTile;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (vector && first + kTile <= numel) {
+  if (aligned16 && first + kTile <= numel) {
     const char* from = reinterpret_cast<const char*>(x + first);
     const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
     constexpr int kPieces = stage_bytes<scalar_t>() / 16;
@@ -210,7 +211,7 @@ struct Zeroes {
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
-    gather_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool vector, Zeroes zeroes) {
+    gather_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool aligned16, Zeroes zeroes) {
   extern __shared__ __align__(16) unsigned char stage_memory[];
   __shared__ uint64_t warp_packed[kThreads / 32];
   constexpr int kDepth = kStages<scalar_t>;
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
 #pragma unroll
   for (int s = 0; s < kDepth; ++s) {
     const int tile = blockIdx.x + s * gridDim.x;
-    if (tile < tiles) copy_tile(x, numel, tile, vector, stage(s));
+    if (tile < tiles) copy_tile(x, numel, tile, aligned16, stage(s));
     commit_copies();  // empty groups too: the count of groups stays kDepth ahead
   }
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; w < zeroes.words;
@@ -296,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
     }
     __syncthreads();  // the stage and warp_packed are free again
     const int next = tile + kDepth * gridDim.x;
-    if (next < tiles) copy_tile(x, numel, next, vector, stage(s));
+    if (next < tiles) copy_tile(x, numel, next, aligned16, stage(s));
     commit_copies();
     s = s + 1 == kDepth ? 0 : s + 1;
   }
@@ -412,7 +413,7 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
     dependent::launch(dependent, sample_threshold_kernel, 1, kSampleThreads, 0, stream,
                       static_cast<const uint32_t*>(scratch.keys), sample, scratch.threshold);
     dependent::launch(dependent, kGather, static_cast<unsigned>(std::min<int64_t>(tiles, wave)), kThreads, shared,
-                      stream, static_cast<const scalar_t*>(in), numel, scratch, four::aligned<scalar_t>({in}),
+                      stream, static_cast<const scalar_t*>(in), numel, scratch, reinterpret_cast<uintptr_t>(in) % 16 == 0,
                       Zeroes{out, 2 * k});
     dependent::launch(dependent, place_kernel<scalar_t>, static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock),
                       kThreads, 0, stream, in, numel, scratch, picks, clear);
