@@ -407,16 +407,18 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
     constexpr auto kGather = gather_kernel<scalar_t>;
     const int shared = kStages<scalar_t> * stage_bytes<scalar_t>();
     const int wave = dependent::blocks_at_once<kGather, kThreads>(device, sms, shared);
-    const bool dependent = dependent::supported<kGather>(device);
+    const bool overlap = dependent::supported<kGather>(device);  // else plain launches
+    const auto streaming_blocks = static_cast<unsigned>(std::min<int64_t>(tiles, wave));
+    const auto placing_blocks = static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock);
+    const bool aligned16 = reinterpret_cast<uintptr_t>(in) % 16 == 0;
     dependent::launch(false, sample_keys_kernel<scalar_t>, kTopKSample / kThreads, kThreads, 0, stream,
                       static_cast<const scalar_t*>(in), sample, scratch.keys);
-    dependent::launch(dependent, sample_threshold_kernel, 1, kSampleThreads, 0, stream,
+    dependent::launch(overlap, sample_threshold_kernel, 1, kSampleThreads, 0, stream,
                       static_cast<const uint32_t*>(scratch.keys), sample, scratch.threshold);
-    dependent::launch(dependent, kGather, static_cast<unsigned>(std::min<int64_t>(tiles, wave)), kThreads, shared,
-                      stream, static_cast<const scalar_t*>(in), numel, scratch, reinterpret_cast<uintptr_t>(in) % 16 == 0,
-                      Zeroes{out, 2 * k});
-    dependent::launch(dependent, place_kernel<scalar_t>, static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock),
-                      kThreads, 0, stream, in, numel, scratch, picks, clear);
+    dependent::launch(overlap, kGather, streaming_blocks, kThreads, shared, stream, static_cast<const scalar_t*>(in),
+                      numel, scratch, aligned16, Zeroes{out, 2 * k});
+    dependent::launch(overlap, place_kernel<scalar_t>, placing_blocks, kThreads, 0, stream, in, numel, scratch, picks,
+                      clear);
   });
 }
 
