@@ -64,8 +64,9 @@ quant::Codes codes_named(const std::string& name) {
 }
 
 QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, quant::Codes codes) {
-  TORCH_CHECK(ranks >= 1 && chunk >= 8 && chunk % 8 == 0, "Quantize: chunk must be a positive multiple of 8, got ",
-              chunk);
+  TORCH_CHECK(ranks >= 1, "Quantize: ranks must be >= 1, got ", std::to_string(ranks));
+  TORCH_CHECK(chunk >= 8 && chunk % 8 == 0, "Quantize: chunk must be a positive multiple of 8, got ",
+              std::to_string(chunk));
   QuantizeLayout l;
   l.numel = numel;
   l.ranks = ranks;
