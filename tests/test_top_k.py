@@ -28,6 +28,14 @@ def rule(x, k):
     return values, indices, qualifying.numel()
 
 
+def assert_cleared_where_taken(on, x, indices, qualifying, k):
+    """The bucket after a call: x with the taken entries (the first min(qualifying, k) of
+    `indices`) cleared, untouched elsewhere."""
+    expected = x.clone()
+    expected[indices[: min(qualifying, k)].long()] = 0
+    assert torch.equal(on.cpu(), expected)
+
+
 def pick(x, k, clear):
     # not zeros: the unused slots must be cleared by the call
     piece = torch.full((2 * k,), -1, dtype=torch.int32, device=x.device)
@@ -48,10 +56,7 @@ def test_picks_follow_the_rule(device, numel, k, clear):
     got_values, got_indices, got_qualifying = pick(on, k, clear)
     assert got_qualifying == qualifying
     assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
-    expected = x.clone()
-    if clear:
-        expected[indices[: min(qualifying, k)].long()] = 0
-    assert torch.equal(on.cpu(), expected)  # cleared where taken, untouched elsewhere
+    assert_cleared_where_taken(on, x, indices if clear else indices[:0], qualifying, k)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,9 +71,7 @@ def test_picks_follow_the_rule_when_they_crowd_together(device):
     got_values, got_indices, got_qualifying = pick(on, k, True)
     assert got_qualifying == qualifying and qualifying > 2 * 128 * 20_000 // 4096  # beyond the slots
     assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
-    expected = x.clone()
-    expected[indices[: min(qualifying, k)].long()] = 0
-    assert torch.equal(on.cpu(), expected)
+    assert_cleared_where_taken(on, x, indices, qualifying, k)
 
 
 def test_a_bucket_within_the_sample_picks_the_exact_top_k():
@@ -121,9 +124,7 @@ def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
     got_values, got_indices, got_qualifying = pick(on, k, True)
     assert got_qualifying == qualifying
     assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
-    expected = x.clone()
-    expected[indices[: min(qualifying, k)].long()] = 0
-    assert torch.equal(on.cpu(), expected)
+    assert_cleared_where_taken(on, x, indices, qualifying, k)
 
 
 @needs_cuda
