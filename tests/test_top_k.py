@@ -61,15 +61,18 @@ def test_picks_follow_the_rule(device, numel, k, clear):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_picks_follow_the_rule_when_they_crowd_together(device):
-    # Every qualifying entry in 20000 of 300000: on CUDA, each of those tiles of 4096 holds more
-    # than the slots kept for it (about twice the expected count) and is read again.
+    # Most qualifying entries lie in 20000 of 300000. On CUDA each block of the streaming pass
+    # takes one tile of 4096 here, and those tiles hold more than the block keeps: more than its
+    # buffer (written to its slots directly), more than its slots (twice the expected count and
+    # the buffer's 512; read again when placed).
     x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
     x[100_000:120_000] *= 1000
-    k = 3000
+    k = 12_000
     values, indices, qualifying = rule(x, k)
     on = x.to(device)
     got_values, got_indices, got_qualifying = pick(on, k, True)
-    assert got_qualifying == qualifying and qualifying > 2 * 128 * 20_000 // 4096  # beyond the slots
+    _, _, want = _C.top_k_sample(x.numel(), k)
+    assert got_qualifying == qualifying and qualifying > 5 * (2 * 4096 * want // 16384 + 512)  # beyond the slots
     assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
     assert_cleared_where_taken(on, x, indices, qualifying, k)
 
@@ -112,15 +115,30 @@ def test_cuda_and_cpu_pick_the_same(dtype):
     "dtype,offset", [(torch.float32, 0), (torch.float32, 1), (torch.float16, 0), (torch.float16, 4), (torch.float64, 0)]
 )
 def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
-    # 15M entries: on an H200 each block of the streaming pass takes four or five tiles of 4096,
-    # the first two loaded while the threshold is found (sm_90 on). A bucket not 16-byte aligned
+    # 15M entries: on an H200 each block of the streaming pass takes a run of four or five tiles
+    # of 4096, the first two loaded while the threshold is found (sm_90 on). A bucket not 16-byte aligned
     # (offset 1; fp16 offset 4: 8-byte aligned) has its tiles copied entry by entry.
     x = torch.randn(15_000_001, generator=torch.Generator().manual_seed(4))
-    x[13_000_000:13_200_000] *= 50  # crowded tiles late in the bucket, read again when placed
+    x[13_000_000:13_200_000] *= 50  # crowded runs late in the bucket, read again when placed
     x = x.to(dtype)
     k = 150_000
     values, indices, qualifying = rule(x, k)
     on = torch.cat([torch.zeros(offset, dtype=dtype), x]).cuda()[offset:]
+    got_values, got_indices, got_qualifying = pick(on, k, True)
+    assert got_qualifying == qualifying
+    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+    assert_cleared_where_taken(on, x, indices, qualifying, k)
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+def test_cuda_picks_follow_the_rule_when_a_block_fills_its_buffer():
+    # 7% qualify: a block of the streaming pass finds ~300 entries a tile, so its buffer of 512
+    # fills within its run of four or five tiles and goes to its slots before the run ends.
+    x = torch.randn(15_000_000, generator=torch.Generator().manual_seed(6))
+    k = 1_050_000
+    values, indices, qualifying = rule(x, k)
+    on = x.cuda()
     got_values, got_indices, got_qualifying = pick(on, k, True)
     assert got_qualifying == qualifying
     assert torch.equal(got_indices, indices) and torch.equal(got_values, values)

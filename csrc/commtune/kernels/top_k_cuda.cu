@@ -2,12 +2,12 @@
 // 1. Many blocks gather the sample, then one block finds its threshold, the want-th largest key
 //    (non-negative floats order as their bits), 8 bits at a time from the top.
 // 2. The bucket streams through once in tiles of 4096 entries, with no block waiting on another:
-//    one wave of blocks, each with two tiles in flight into shared memory, counts each tile's
-//    qualifying entries and writes them, in index order, to the tile's slots in a scratch buffer
-//    (room for twice the expected number).
-// 3. Blocks of 8 tiles add up the counts before them and copy each tile's entries to their
-//    places among the first k (and clear them from the bucket). A tile with more qualifying
-//    entries than slots is read again from the bucket by the warp that places it.
+//    one wave of blocks, each with a run of whole tiles and two of them in flight into shared
+//    memory, finds the qualifying entries in index order and keeps them in shared memory; they go
+//    to the block's slots in a scratch buffer in whole runs (room for twice the expected number).
+// 3. A block for each run adds up the counts of the runs before it and copies the run's entries
+//    to their places among the first k (and clears them from the bucket). A run with more
+//    qualifying entries than slots is read again from the bucket.
 // From sm_90 on, each kernel is launched while the one before runs (dependent_launch.cuh): no
 // gaps between them, and the streaming pass's blocks load their first tiles while the single
 // block finds the threshold (~9 us), instead of leaving the memory idle until it is found.
@@ -29,30 +29,18 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
-// One instruction from sm_80 on.
-__device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_add_sync(kFull, v);
-#else
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-#endif
-}
-
 constexpr int kThreads = 256;
 constexpr int kGroups = 4;  // groups of four entries a thread of the streaming pass holds
 constexpr int64_t kTile = kThreads * kGroups * 4;
-constexpr int kTilesPerBlock = kThreads / 32;  // of the placing pass: one a warp
-
-// One call's scratch: each tile's slots for its entries (value bits, index), its count, the
-// sample's keys and the threshold.
+// One call's scratch: each streaming block's slots for the entries it finds (value bits,
+// index) and their count, the sample's keys and the threshold.
 struct Scratch {
-  int2* slots;  // tiles x capacity
-  uint32_t* counts;
+  int2* slots;  // blocks x capacity
+  uint32_t* counts;  // blocks
   uint32_t* keys;  // kTopKSample
   float* threshold;
   int64_t tiles;
+  int blocks;  // of the streaming pass, each with a run of whole tiles
   int capacity;
 };
 
@@ -150,18 +138,34 @@ __device__ __forceinline__ uint64_t widen(uint32_t bytes) {
   return static_cast<uint64_t>(__byte_perm(bytes, 0u, 0x4342u)) << 32 | __byte_perm(bytes, 0u, 0x4140u);
 }
 
-// One wave of blocks, each taking every gridDim.x-th tile, with kStages tiles in flight into
-// shared memory: the first kStages are requested before the threshold is known, so they load
-// while the search runs (25 MB on an H200); each tile processed frees its stage for the one
-// kStages ahead. Two stages of 16 KB and 6 blocks an SM: 0.4-0.9 us a call faster than three
-// stages and 4 blocks, or four and 3 (H200, topk_timeline.py).
+// One wave of blocks, each streaming its own run of whole tiles, so that the entries a block
+// finds, in the order it finds them, are in index order after those of the blocks before it.
+// kStages tiles are in flight into shared memory: the first kStages are requested before the
+// threshold is known, so they load while the search runs (25 MB on an H200); each tile processed
+// frees its stage for the one kStages ahead. Two stages of 16 KB and 6 blocks an SM: 0.4-0.9 us a
+// call faster than three stages and 4 blocks, or four and 3 (H200, topk_timeline.py).
 template <typename scalar_t>
 constexpr int kStages = sizeof(scalar_t) <= 4 ? 2 : 1;
 constexpr int kStreamingBlocksPerSm = 6;
+// The entries found collect in shared memory, kBuffered of them, and go to the block's slots in
+// global memory as whole runs when the buffer is full and at the end. Written as they were found,
+// a few for each tile, they cost ~4 us of the 100 MB stream (sectors written in part; the
+// eleventh session's probe).
+constexpr int kBuffered = 512;
 
 template <typename scalar_t>
 constexpr int stage_bytes() {
   return static_cast<int>(kTile * sizeof(scalar_t));
+}
+
+template <typename scalar_t>
+constexpr int streaming_shared_bytes() {
+  return kStages<scalar_t> * stage_bytes<scalar_t>() + kBuffered * static_cast<int>(sizeof(int2));
+}
+
+// The first tile of streaming block `block`'s run (block = blocks: the end of the last run).
+__device__ __forceinline__ int first_tile_of(const Scratch& scratch, int block) {
+  return static_cast<int>(scratch.tiles * block / scratch.blocks);
 }
 
 __device__ __forceinline__ void commit_copies() {
@@ -202,6 +206,14 @@ __device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_
   for (int j = threadIdx.x; j < kTile; j += kThreads) stage[j] = first + j < numel ? x[first + j] : scalar_t(0);
 }
 
+// slots[written + j] = buffered[j] for j < held, those below the capacity.
+__device__ __forceinline__ void write_buffered(const int2* buffered, uint32_t held, int2* slots, uint32_t written,
+                                               int capacity) {
+  for (uint32_t j = threadIdx.x; j < held && written + j < static_cast<uint32_t>(capacity); j += kThreads) {
+    slots[written + j] = buffered[j];
+  }
+}
+
 // What the streaming pass does before the threshold is known: the picks' slots zeroed (unused
 // ones send value 0 at index 0).
 struct Zeroes {
@@ -216,11 +228,11 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
   __shared__ uint64_t warp_packed[kThreads / 32];
   constexpr int kDepth = kStages<scalar_t>;
   const auto stage = [&](int s) { return reinterpret_cast<scalar_t*>(stage_memory + s * stage_bytes<scalar_t>()); };
-  const int tiles = static_cast<int>(scratch.tiles);
+  int2* buffered = reinterpret_cast<int2*>(stage_memory + kDepth * stage_bytes<scalar_t>());
+  const int first = first_tile_of(scratch, blockIdx.x), end = first_tile_of(scratch, blockIdx.x + 1);
 #pragma unroll
   for (int s = 0; s < kDepth; ++s) {
-    const int tile = blockIdx.x + s * gridDim.x;
-    if (tile < tiles) copy_tile(x, numel, tile, aligned16, stage(s));
+    if (first + s < end) copy_tile(x, numel, first + s, aligned16, stage(s));
     commit_copies();  // empty groups too: the count of groups stays kDepth ahead
   }
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; w < zeroes.words;
@@ -231,8 +243,10 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
   dependent::wait_for_prior_grid();  // the threshold
   const float threshold = *scratch.threshold;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int2* slots = scratch.slots + static_cast<int64_t>(blockIdx.x) * scratch.capacity;
+  uint32_t held = 0, written = 0;  // entries in the buffer; entries found before them
   int s = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int tile = first; tile < end; ++tile) {
     wait_copies<kDepth - 1>();  // this tile's group (kDepth - 1 later ones may still load)
     __syncthreads();
     const scalar_t* values = stage(s);
@@ -277,30 +291,45 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
       if (w < warp) exclusive += warp_packed[w];
       block += warp_packed[w];
     }
-    if (threadIdx.x == 0) {
-      scratch.counts[tile] = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
+    const uint32_t count = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
+    if (held + count > kBuffered) {  // the same for every thread: the buffer goes out first
+      write_buffered(buffered, held, slots, written, scratch.capacity);
+      written += held;
+      held = 0;
+      __syncthreads();
     }
+    // A tile with more entries than the buffer holds writes them to the slots directly.
+    const bool direct = count > kBuffered;
     if (flags != 0) {
-      int2* slots = scratch.slots + static_cast<int64_t>(tile) * scratch.capacity;
       // field g: where this thread's entries of group g go, after the tile's earlier groups
       // (index order is group, thread, entry); fields stay below 2^16, so no carries
       const uint64_t starts = exclusive + (block << 16) + (block << 32) + (block << 48);
       for (uint32_t left = flags; left != 0; left &= left - 1) {  // the qualifying entries only
         const int b = __ffs(left) - 1, g = b / 4;
         const uint32_t slot = field(starts, g) + __popc(flags & (0xFu << (4 * g)) & ((1u << b) - 1));
-        if (slot < static_cast<uint32_t>(scratch.capacity)) {
-          // read again from shared memory rather than kept through the scan: fewer registers
-          const int j = 4 * threadIdx.x + 4 * kThreads * g + b % 4;
-          slots[slot] = make_int2(__float_as_int(static_cast<float>(values[j])), tile * static_cast<int>(kTile) + j);
+        // read again from shared memory rather than kept through the scan: fewer registers
+        const int j = 4 * threadIdx.x + 4 * kThreads * g + b % 4;
+        const int2 entry = make_int2(__float_as_int(static_cast<float>(values[j])), tile * static_cast<int>(kTile) + j);
+        if (!direct) {
+          buffered[held + slot] = entry;
+        } else if (written + slot < static_cast<uint32_t>(scratch.capacity)) {
+          slots[written + slot] = entry;
         }
       }
     }
+    if (direct) {
+      written += count;
+    } else {
+      held += count;
+    }
     __syncthreads();  // the stage and warp_packed are free again
-    const int next = tile + kDepth * gridDim.x;
-    if (next < tiles) copy_tile(x, numel, next, aligned16, stage(s));
+    const int next = tile + kDepth;
+    if (next < end) copy_tile(x, numel, next, aligned16, stage(s));
     commit_copies();
     s = s + 1 == kDepth ? 0 : s + 1;
   }
+  write_buffered(buffered, held, slots, written, scratch.capacity);
+  if (threadIdx.x == 0) scratch.counts[blockIdx.x] = written + held;
 }
 
 // ---- 3. the placing pass -------------------------------------------------------------------
@@ -320,67 +349,85 @@ __device__ __forceinline__ void take(scalar_t* x, const Picks& picks, int64_t n,
   if (clear) x[i] = scalar_t(0);
 }
 
+// Block-wide exclusive sum of `mine` (kThreads threads); `total` receives the block's sum.
+// `totals` is kThreads / 32 words of shared memory, free on entry, in use until the next call.
+__device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t mine, uint32_t* totals, uint32_t& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t inclusive = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const uint32_t other = __shfl_up_sync(kFull, inclusive, o);
+    if (lane >= o) inclusive += other;
+  }
+  __syncthreads();  // the previous call's totals are read
+  if (lane == 31) totals[warp] = inclusive;
+  __syncthreads();
+  uint32_t before = inclusive - mine;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
+    if (w < warp) before += totals[w];
+    total += totals[w];
+  }
+  return before;
+}
+
+// One block for each streaming block's run: the counts of the runs before it say where its
+// entries go among the picks. A run with more entries than its slots hold, where they matter
+// (the picks are not complete before the slots' last), is read again from the bucket.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t numel, Scratch scratch, Picks picks,
                                                          bool clear) {
-  __shared__ uint32_t warp_totals[kThreads / 32];
-  __shared__ uint32_t tile_counts[kTilesPerBlock];
+  __shared__ uint32_t totals[kThreads / 32];
   dependent::wait_for_prior_grid();  // the streaming pass's counts and slots
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock;
-  // entries qualifying in the tiles before this block's
-  // (first_tile is a multiple of 8 and the counts start 16-byte aligned: four counts a load)
-  uint32_t mine = 0;
-  const uint4* fours = reinterpret_cast<const uint4*>(scratch.counts);
-#pragma unroll 4
-  for (int64_t t = threadIdx.x; t < first_tile / 4; t += kThreads) {
-    const uint4 c = fours[t];
-    mine += c.x + c.y + c.z + c.w;
-  }
-  mine = warp_sum(mine);
-  if (lane == 0) warp_totals[warp] = mine;
-  if (threadIdx.x < kTilesPerBlock) {
-    const int64_t t = first_tile + threadIdx.x;
-    tile_counts[threadIdx.x] = t < scratch.tiles ? scratch.counts[t] : 0u;
-  }
-  __syncthreads();
-  const int64_t tile = first_tile + warp;  // this warp's
-  int64_t n = 0;  // its first pick
-  for (int w = 0; w < kThreads / 32; ++w) n += warp_totals[w];
-  for (int u = 0; u < warp; ++u) n += tile_counts[u];
-  if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
-    int64_t total = n;
-    for (int u = 0; u < kTilesPerBlock; ++u) total += tile_counts[u];
-    *picks.qualifying = total;
-  }
-  const uint32_t count = tile_counts[warp];
-  if (tile >= scratch.tiles || n >= picks.k) return;
-  if (count <= static_cast<uint32_t>(scratch.capacity)) {
-    const int2* slots = scratch.slots + tile * scratch.capacity;
-    for (uint32_t j = lane; j < count; j += 32) {
+  const int run = blockIdx.x;
+  uint32_t mine = 0;  // entries found in this thread's share of the runs before this one
+  for (int r = threadIdx.x; r < run; r += kThreads) mine += scratch.counts[r];
+  uint32_t runs_before = 0;
+  block_exclusive_sum(mine, totals, runs_before);
+  const int64_t before = runs_before;
+  const uint32_t count = scratch.counts[run];
+  if (run == gridDim.x - 1 && threadIdx.x == 0) *picks.qualifying = before + count;
+  if (before >= picks.k) return;
+  if (count <= static_cast<uint32_t>(scratch.capacity) || before + scratch.capacity >= picks.k) {
+    const int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
+    const auto taken = static_cast<uint32_t>(std::min<int64_t>(count, picks.k - before));
+    for (uint32_t j = threadIdx.x; j < taken; j += kThreads) {
       const int2 s = slots[j];
-      take(x, picks, n + j, s.y, __int_as_float(s.x), clear);
+      take(x, picks, before + j, s.y, __int_as_float(s.x), clear);
     }
-  } else {  // more than the slots hold: read the tile again, 32 entries a step
-    const float threshold = *scratch.threshold;
-    int64_t next = n;
-    for (int64_t i0 = tile * kTile; i0 < min(numel, (tile + 1) * kTile) && next < picks.k; i0 += 32) {
-      const int64_t i = i0 + lane;
-      const float v = i < numel ? static_cast<float>(x[i]) : 0.0f;
-      const uint32_t qualifies = __ballot_sync(kFull, i < numel && fabsf(v) >= threshold);
-      if (qualifies >> lane & 1u) {
-        take(x, picks, next + __popc(qualifies & ((1u << lane) - 1)), static_cast<int32_t>(i), v, clear);
-      }
-      next += __popc(qualifies);
+    return;
+  }
+  // Read the run again, 4 entries a thread a step (index order: thread, then entry).
+  const float threshold = *scratch.threshold;
+  const int64_t to = std::min<int64_t>(numel, static_cast<int64_t>(first_tile_of(scratch, run + 1)) * kTile);
+  int64_t next = before;
+  for (int64_t at = static_cast<int64_t>(first_tile_of(scratch, run)) * kTile; at < to && next < picks.k;
+       at += 4 * kThreads) {
+    const int64_t i = at + 4 * threadIdx.x;
+    float v[4];
+    uint32_t flags = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      v[e] = i + e < to ? static_cast<float>(x[i + e]) : 0.0f;
+      if (i + e < to && fabsf(v[e]) >= threshold) flags |= 1u << e;
     }
+    uint32_t step = 0;
+    int64_t n = next + block_exclusive_sum(__popc(flags), totals, step);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (flags >> e & 1u) take(x, picks, n++, static_cast<int32_t>(i + e), v[e], clear);
+    }
+    next += step;
   }
 }
 
-// Slots a tile keeps for its entries: twice the expected number, in whole warps' worth, at least
-// 64; tiles with more are read again (correct, slower).
-int slots_per_tile(const TopKSample& sample) {
-  const int64_t expected = (kTile * sample.want + sample.size - 1) / sample.size;
-  return static_cast<int>(std::clamp<int64_t>((2 * expected + 32 + 31) / 32 * 32, 64, kTile / 4));
+// Slots a streaming block keeps for its run's entries: twice the expected number and a buffer's
+// worth, at most the run's entries or k (entries past the k-th of a run are never taken). Runs
+// with more (and picks still to take) are read again: correct, slower.
+int slots_per_run(const TopKSample& sample, int64_t run_entries, int64_t k) {
+  const int64_t expected = (run_entries * sample.want + sample.size - 1) / sample.size;
+  return static_cast<int>(std::min({2 * expected + kBuffered, run_entries, k}));
 }
 
 } // namespace
@@ -391,13 +438,6 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t numel = x.numel();
   const int64_t tiles = (numel + kTile - 1) / kTile;
-  const int capacity = slots_per_tile(sample);
-  at::Tensor memory = at::empty({2 * tiles * capacity + tiles + kTopKSample + 1}, x.options().dtype(at::kInt));
-  int32_t* base = memory.mutable_data_ptr<int32_t>();
-  int32_t* counts = base + 2 * tiles * capacity;  // capacity is a multiple of 32: 16-byte aligned
-  const Scratch scratch{reinterpret_cast<int2*>(base), reinterpret_cast<uint32_t*>(counts),
-                        reinterpret_cast<uint32_t*>(counts + tiles),
-                        reinterpret_cast<float*>(counts + tiles + kTopKSample), tiles, capacity};
   int32_t* out = piece.mutable_data_ptr<int32_t>();
   const Picks picks{reinterpret_cast<float*>(out), out + k, k, qualifying.mutable_data_ptr<int64_t>()};
   const int device = x.get_device();
@@ -405,19 +445,29 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
     constexpr auto kGather = gather_kernel<scalar_t>;
-    const int shared = kStages<scalar_t> * stage_bytes<scalar_t>();
+    const int shared = streaming_shared_bytes<scalar_t>();
     const int wave = dependent::blocks_at_once<kGather, kThreads>(device, sms, shared);
     const bool overlap = dependent::supported<kGather>(device);  // else plain launches
-    const auto streaming_blocks = static_cast<unsigned>(std::min<int64_t>(tiles, wave));
-    const auto placing_blocks = static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock);
+    // One SM's worth fewer than a wave: the search's block holds an SM while the streaming
+    // blocks start, and a block started after it ends would finish its run last.
+    const int streaming = static_cast<int>(std::min<int64_t>(tiles, std::max(wave - wave / sms, 1)));
+    const int64_t run_entries = (tiles + streaming - 1) / streaming * kTile;
+    const int capacity = slots_per_run(sample, run_entries, k);
+    at::Tensor memory = at::empty({2 * streaming * int64_t{capacity} + streaming + kTopKSample + 1},
+                                  x.options().dtype(at::kInt));
+    int32_t* base = memory.mutable_data_ptr<int32_t>();
+    int32_t* counts = base + 2 * streaming * int64_t{capacity};
+    const Scratch scratch{reinterpret_cast<int2*>(base), reinterpret_cast<uint32_t*>(counts),
+                          reinterpret_cast<uint32_t*>(counts + streaming),
+                          reinterpret_cast<float*>(counts + streaming + kTopKSample), tiles, streaming, capacity};
     const bool aligned16 = reinterpret_cast<uintptr_t>(in) % 16 == 0;
     dependent::launch(false, sample_keys_kernel<scalar_t>, kTopKSample / kThreads, kThreads, 0, stream,
                       static_cast<const scalar_t*>(in), sample, scratch.keys);
     dependent::launch(overlap, sample_threshold_kernel, 1, kSampleThreads, 0, stream,
                       static_cast<const uint32_t*>(scratch.keys), sample, scratch.threshold);
-    dependent::launch(overlap, kGather, streaming_blocks, kThreads, shared, stream, static_cast<const scalar_t*>(in),
-                      numel, scratch, aligned16, Zeroes{out, 2 * k});
-    dependent::launch(overlap, place_kernel<scalar_t>, placing_blocks, kThreads, 0, stream, in, numel, scratch, picks,
+    dependent::launch(overlap, kGather, streaming, kThreads, shared, stream, static_cast<const scalar_t*>(in), numel,
+                      scratch, aligned16, Zeroes{out, 2 * k});
+    dependent::launch(overlap, place_kernel<scalar_t>, streaming, kThreads, 0, stream, in, numel, scratch, picks,
                       clear);
   });
 }
