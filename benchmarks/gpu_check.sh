@@ -50,7 +50,7 @@ case "$stage" in
     # memory, issue or latency sets the pace.
     if ! command -v ncu > /dev/null; then echo "ncu (Nsight Compute) is not installed here"; exit 1; fi
     timeout 400 ncu --clock-control none \
-      --kernel-name "regex:(^|[^e])quantize_warp_kernel|reduce_warp_kernel|sign_decode_(mean|table)_kernel|sample_(keys|threshold)_kernel|gather_kernel|place_kernel" \
+      --kernel-name "regex:(^|[^e])quantize_warp_kernel|reduce_warp_kernel|sign_decode_(mean|table)_kernel|sample_threshold_kernel|streaming_kernel|place_kernel" \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis \
       python benchmarks/compression.py --iters 1 --no-idle --out "$out/compression_profiled.json" > "$out/ncu_compression.txt" 2>&1

@@ -36,8 +36,8 @@ kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.e
 names = {}
 for _, _, n in kernels:
     names[n[:70]] = names.get(n[:70], 0) + 1
-# calls start at their sample's gather
-starts = [i for i, (_, _, n) in enumerate(kernels) if "sample_keys" in n] + [len(kernels)]
+# calls start at their threshold search
+starts = [i for i, (_, _, n) in enumerate(kernels) if "sample_threshold" in n] + [len(kernels)]
 per_kernel, gaps, spans = {}, {}, []
 for a, b in zip(starts[:-1], starts[1:]):
     one = kernels[a:b]

@@ -7,6 +7,8 @@
 // gap (1-2 us on an H200) and lets loads be in flight while a one-block kernel runs.
 // Where the device or the kernel's build cannot do it, launches are plain and both calls do
 // nothing: a kernel run from sm_80 code on a newer GPU would not wait, so supported() asks.
+// launch_cluster() launches thread block clusters (sm_90 on), for kernels whose blocks share
+// shared memory.
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
@@ -71,6 +73,20 @@ int blocks_at_once(int device, int sms, int shared) {
   });
 }
 
+// kernel<<<grid, block, shared, stream>>>(args...) with the given launch attributes.
+template <typename... Params, typename... Args>
+void launch_with(cudaLaunchAttribute* attributes, int count, void (*kernel)(Params...), dim3 grid, dim3 block,
+                 int shared, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = count;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
 // kernel<<<grid, block, shared, stream>>>(args...), dependent on the kernel before it when asked.
 template <typename... Params, typename... Args>
 void launch(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, int shared, cudaStream_t stream,
@@ -78,14 +94,20 @@ void launch(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, in
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = shared;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = dependent ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+  launch_with(&attribute, dependent ? 1 : 0, kernel, grid, block, shared, stream, args...);
+}
+
+// The same in clusters of `cluster` blocks (sm_90 on; at most 8 is portable), after all work
+// queued before it.
+template <typename... Params, typename... Args>
+void launch_cluster(int cluster, void (*kernel)(Params...), dim3 grid, dim3 block, int shared, cudaStream_t stream,
+                    Args... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  launch_with(&attribute, 1, kernel, grid, block, shared, stream, args...);
 }
 
 } // namespace commtune::dependent
