@@ -44,6 +44,17 @@ def pick(x, k, clear):
     return piece[:k].view(torch.float32).cpu(), piece[k:].cpu(), int(qualifying.item())
 
 
+def assert_picks_follow_the_rule(x, on, k, clear):
+    """One call on `on` (x on a device) against the rule applied to x: the count, the picks in
+    order, and the bucket afterwards. Returns how many qualified."""
+    values, indices, qualifying = rule(x, k)
+    got_values, got_indices, got_qualifying = pick(on, k, clear)
+    assert got_qualifying == qualifying
+    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+    assert_cleared_where_taken(on, x, indices if clear else indices[:0], qualifying, k)
+    return qualifying
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("numel,k", [(1000, 10), (16384, 164), (100_000, 1000), (1_000_003, 10_000), (50, 50)])
 @pytest.mark.parametrize("clear", [False, True])
@@ -51,12 +62,7 @@ def test_picks_follow_the_rule(device, numel, k, clear):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     x[::7] *= 1e-3  # many magnitudes, and ties among the zeros below
     x[::11] = 0
-    values, indices, qualifying = rule(x, k)
-    on = x.to(device)
-    got_values, got_indices, got_qualifying = pick(on, k, clear)
-    assert got_qualifying == qualifying
-    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
-    assert_cleared_where_taken(on, x, indices if clear else indices[:0], qualifying, k)
+    assert_picks_follow_the_rule(x, x.to(device), k, clear)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -68,12 +74,8 @@ def test_picks_follow_the_rule_when_they_crowd_together(device):
     x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
     x[100_000:120_000] *= 1000
     k = 12_000
-    values, indices, qualifying = rule(x, k)
-    on = x.to(device)
-    got_values, got_indices, got_qualifying = pick(on, k, True)
-    assert got_qualifying == qualifying and qualifying > 0.4 * 20_000  # mostly the crowded stretch
-    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
-    assert_cleared_where_taken(on, x, indices, qualifying, k)
+    qualifying = assert_picks_follow_the_rule(x, x.to(device), k, True)
+    assert qualifying > 0.4 * 20_000  # mostly the crowded stretch
 
 
 def test_a_bucket_within_the_sample_picks_the_exact_top_k():
@@ -95,10 +97,7 @@ def test_the_threshold_is_the_samples_want_th_largest(device, case):
         x, k = torch.randint(-3, 4, (numel,), generator=g).float() * 0.5, numel // 100
     else:
         x, k = torch.randn(numel, generator=g), (1 if case == "one" else numel // 100)
-    values, indices, qualifying = rule(x, k)
-    got_values, got_indices, got_qualifying = pick(x.to(device), k, False)
-    assert got_qualifying == qualifying
-    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+    assert_picks_follow_the_rule(x, x.to(device), k, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,12 +146,8 @@ def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
     x[13_000_000:13_200_000] *= 50  # crowded runs late in the bucket, read again when placed
     x = x.to(dtype)
     k = 150_000
-    values, indices, qualifying = rule(x, k)
     on = torch.cat([torch.zeros(offset, dtype=dtype), x]).cuda()[offset:]
-    got_values, got_indices, got_qualifying = pick(on, k, True)
-    assert got_qualifying == qualifying
-    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
-    assert_cleared_where_taken(on, x, indices, qualifying, k)
+    assert_picks_follow_the_rule(x, on, k, True)
 
 
 @needs_cuda
@@ -163,12 +158,7 @@ def test_cuda_picks_follow_the_rule_when_a_block_fills_its_buffer():
     # run ends.
     x = torch.randn(15_000_000, generator=torch.Generator().manual_seed(6))
     k = 1_050_000
-    values, indices, qualifying = rule(x, k)
-    on = x.cuda()
-    got_values, got_indices, got_qualifying = pick(on, k, True)
-    assert got_qualifying == qualifying
-    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
-    assert_cleared_where_taken(on, x, indices, qualifying, k)
+    assert_picks_follow_the_rule(x, x.cuda(), k, True)
 
 
 @needs_cuda
