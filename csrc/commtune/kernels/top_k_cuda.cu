@@ -366,9 +366,9 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
     const int shared = streaming_shared_bytes<scalar_t>();
     const int wave = dependent::blocks_at_once<kStreaming, kThreads>(device, sms, shared);
     const bool overlap = dependent::supported<kStreaming>(device);  // else plain launches
+    using threshold_search::kSampleThreads, threshold_search::kSearchBlocks, threshold_search::sample_threshold_kernel;
     // Fewer blocks than a wave by the search's SMs: they are busy while the streaming blocks
     // start, and a block started after the search ends would finish its run last.
-    using threshold_search::kSampleThreads, threshold_search::kSearchBlocks, threshold_search::sample_threshold_kernel;
     const int search_sms = overlap ? kSearchBlocks : 1;
     const int streaming =
         static_cast<int>(std::min<int64_t>(tiles, std::max(wave - search_sms * (wave / sms), 1)));
