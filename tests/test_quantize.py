@@ -157,6 +157,46 @@ def test_cuda_and_cpu_reduce_different_ranks_to_the_same_bits(codes, ranks, chun
     assert torch.equal(out[0], out[1])
 
 
+@needs_cuda
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("codes", CODES)
+@pytest.mark.parametrize("ranks", [8, 9])
+def test_cuda_reduce_of_a_large_shard_is_the_cpu_bits(codes, ranks):
+    # 4000 chunks a shard, more than one wave of the reduce's warps on any GPU (an H200 holds
+    # 3168): random codes (int8's -128 too; e4m3's NaN codes left out) with scales from 2^-41 to
+    # 2^20 side by side, cheaper than encoding pieces.
+    chunk, chunks = 1024, 4000
+    numel = ranks * chunk * chunks
+    shard, piece_bytes = _C.quantize_layout(numel, ranks, chunk, codes)
+    assert shard == chunk * chunks
+    g = torch.Generator().manual_seed(ranks)
+    received = torch.randint(0, 256, (ranks, piece_bytes), dtype=torch.uint8, generator=g)
+    if codes == "e4m3":
+        received[(received & 0x7F) == 0x7F] = 0x7E
+    code_bytes = shard * BITS[codes] // 8
+    scales = torch.rand(ranks, chunks, generator=g) * 2.0 ** torch.randint(-40, 20, (ranks, chunks), generator=g)
+    received[:, code_bytes:] = scales.view(torch.uint8).view(ranks, -1)
+    out = []
+    for device in ("cpu", "cuda"):
+        piece = torch.empty(piece_bytes, dtype=torch.uint8, device=device)
+        _C.reduce_shard_(received.view(-1).to(device), piece, numel, ranks, chunk, ranks, 5, codes)
+        out.append(piece.cpu())
+    assert torch.equal(out[0], out[1])
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+def test_cuda_passes_refuse_pieces_off_a_word():
+    numel, ranks, chunk = 4096, 2, 1024
+    _, piece_bytes = _C.quantize_layout(numel, ranks, chunk, "int8")
+    spare = torch.zeros(ranks * piece_bytes + 1, dtype=torch.uint8, device="cuda")
+    piece = torch.empty(piece_bytes, dtype=torch.uint8, device="cuda")
+    with pytest.raises(RuntimeError, match="received pieces must start 4-byte aligned"):
+        _C.reduce_shard_(spare[1:], piece, numel, ranks, chunk, ranks, 5, "int8")
+    with pytest.raises(RuntimeError, match="packed shards must start 4-byte aligned"):
+        _C.quantize_shards_(torch.ones(numel, device="cuda"), None, spare[1:], ranks, chunk, 5, "int8")
+
+
 # ---- the hook through DDP -------------------------------------------------------------------
 
 CHUNK = compression_runs.CHUNK
