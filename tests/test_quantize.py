@@ -50,14 +50,21 @@ def encode(values, chunk, codes="int8"):
     return (q * scale[:, None]).view(-1), scale
 
 
-def sum_decoded(encoded):
-    """The sum over (codes' values, scales) pairs in order, each code times its scale added with
-    one rounding, as the reduce kernels fuse them: the product is exact in float64, and so is the
-    sum wherever the terms are within 2^21 of each other (true of these tests' data)."""
+BIAS = {"int8": 128, "int4": 8, "e4m3": 0}  # what a stored integer code is over the code
+
+
+def sum_decoded(encoded, codes):
+    """The sum over (codes' values, scales) pairs in rank order, one rounding a code, as the reduce
+    kernels make it: e4m3 codes times their scale, added in turn; int8 and int4 codes as stored
+    (code + bias) times their scale, added in turn, less the bias times the scales' sum (taken in
+    turn). The products are exact in float64, and so are the sums wherever the terms are within
+    2^21 of each other (true of these tests' data): each step rounds once to float32."""
     total = torch.zeros_like(encoded[0][0], dtype=torch.float64)
+    scales = torch.zeros_like(encoded[0][1], dtype=torch.float64)
     for q, scale in encoded:
-        total = (total + q.double() * scale.double()[:, None]).float().double()
-    return total.float().view(-1)
+        total = (total + (q.double() + BIAS[codes]) * scale.double()[:, None]).float().double()
+        scales = (scales + scale.double()).float().double()
+    return (total - BIAS[codes] * scales[:, None]).float().view(-1)
 
 
 def step_of(values, chunk, codes):
@@ -98,7 +105,7 @@ def test_rounding_to_nearest_matches_the_scheme_and_bounds_the_error(device, cod
     torch.testing.assert_close(error, src - decoded, rtol=0, atol=0)
     assert bool(((src - decoded).abs() <= step_of(padded, chunk, codes)[:numel] / 2 + 1e-7).all())
     # every rank sent the same: shard 0's sum over the ranks, in rank order, divided and encoded again
-    total = sum_decoded([levels(padded[:shard], chunk, codes)] * ranks)
+    total = sum_decoded([levels(padded[:shard], chunk, codes)] * ranks, codes)
     again, _ = encode(total / ranks, chunk, codes)
     reduced = torch.tensor(piece[code_bytes:].numpy().view("float32"))
     values = unpack(piece[:code_bytes], codes).view(-1, chunk)
@@ -215,7 +222,7 @@ def simulate(steps_locals, world, chunk, codes="int8"):
             q, scale = levels(torch.nn.functional.pad(sent, (0, world * shard - numel)), chunk, codes)
             errors[r] = sent - (q * scale[:, None]).view(-1)[:numel]
             encoded.append((q, scale))
-        mean, _ = encode(sum_decoded(encoded) / world, chunk, codes)
+        mean, _ = encode(sum_decoded(encoded, codes) / world, chunk, codes)
         out.append(mean[:numel])
     return out
 

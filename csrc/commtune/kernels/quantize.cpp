@@ -144,10 +144,14 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
     std::vector<float> values(layout.chunk);
     for (int64_t c = begin; c < end; ++c) {
       std::fill(values.begin(), values.end(), 0.0f);
+      float scale_sum = 0.0f;
       for (int64_t r = 0; r < layout.ranks; ++r) {
         add_decoded_chunk(values.data(), layout.codes(in, r, c), layout.chunk, *layout.scale(in, r, c), layout.kind);
+        scale_sum = quant::add(scale_sum, *layout.scale(in, r, c));
       }
-      for (int64_t j = 0; j < layout.chunk; ++j) values[j] = quant::div(values[j], static_cast<float>(divisor));
+      for (int64_t j = 0; j < layout.chunk; ++j) {
+        values[j] = quant::div(quant::finish_sum(values[j], scale_sum, layout.kind), static_cast<float>(divisor));
+      }
       *layout.scale(out, 0, c) =
           encode_chunk(values.data(), layout.chunk, c * layout.chunk, draws, layout.kind, layout.codes(out, 0, c));
     }

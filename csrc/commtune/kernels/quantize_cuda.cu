@@ -84,7 +84,7 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
   extern __shared__ float values[];
   const int64_t c = blockIdx.x;
   for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
-    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f}, scale_sum = 0.0f;
 #pragma unroll 8  // the ranks' loads are independent: let them be in flight together
     for (int64_t r = 0; r < l.ranks; ++r) {
       int8_t q[4];
@@ -92,9 +92,10 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
       const float scale = *l.scale(received, r, c);
 #pragma unroll
       for (int k = 0; k < 4; ++k) sum[k] = quant::add_decoded(sum[k], q[k], scale, l.kind);
+      scale_sum = quant::add(scale_sum, scale);
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) values[j + k] = divisor.apply(sum[k]);
+    for (int k = 0; k < 4; ++k) values[j + k] = divisor.apply(quant::finish_sum(sum[k], scale_sum, l.kind));
   }
   __syncthreads();
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
@@ -222,19 +223,23 @@ using quant_words::CodeWords;
 
 // Adds kRanks ranks' codes of the warp's chunk, in rank order, to the lane's sums: `codes` is the
 // lane's first word of the first of them, `scale_at` that rank's scale of the chunk, and each
-// next rank's are `step` bytes on; `magic`: quant_words::kMagicBits; `has[t]`: the lane's word t
-// is in the chunk. Every load is issued before the first is used (no branch between them): that
-// is what keeps enough bytes in flight.
+// next rank's are `step` bytes on; `has[t]`: the lane's word t is in the chunk. int8 and int4
+// codes are added as quant_words::SubnormalSums says (their unit `unit`; `scale_sum` gathers
+// the bias's share), e4m3 codes by level (`magic`: quant_words::kMagicBits). Every load is issued
+// before the first is used (no branch between them): that is what keeps enough bytes in flight.
 template <quant::Codes kKind, int kRanks>
 __device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* scale_at, int64_t step,
                                           const bool (&has)[CodeWords<kKind>::kPerLane], uint32_t magic,
+                                          const quant_words::SubnormalSums& unit, float& scale_sum,
                                           float (&v)[kMaxFours][4]) {
   using Words = CodeWords<kKind>;
+  constexpr bool kSubnormal = kKind != quant::Codes::e4m3;
   uint32_t word[kRanks][Words::kPerLane];
   float scale[kRanks];
 #pragma unroll
   for (int b = 0; b < kRanks; ++b) {
-    scale[b] = quant_words::word_scale<kKind>(__ldg(reinterpret_cast<const float*>(scale_at + b * step)));
+    const float stored = __ldg(reinterpret_cast<const float*>(scale_at + b * step));
+    scale[b] = kSubnormal ? unit.scale_up(stored) : quant_words::word_scale<kKind>(stored);
     const uint32_t* words = reinterpret_cast<const uint32_t*>(codes + b * step);
 #pragma unroll
     for (int t = 0; t < Words::kPerLane; ++t) word[b][t] = has[t] ? __ldg(words + kWarp * t) : Words::kZero;
@@ -242,31 +247,56 @@ __device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* s
   constexpr int kCodes = 32 / quant::bits_of(kKind);
 #pragma unroll
   for (int b = 0; b < kRanks; ++b) {
+    if (kSubnormal) {  // the bias times the scale, in the sums' unit (quant::finish_sum's share)
+      scale_sum = quant_words::fma_subnormal(__uint_as_float(quant::bias_of(kKind)), scale[b], scale_sum);
+    }
 #pragma unroll
     for (int t = 0; t < Words::kPerLane; ++t) {
 #pragma unroll
       for (int k = 0; k < kCodes; ++k) {
         float& sum = v[t * Words::kGroups + k / 4][k % 4];
-        const float level = quant_words::level_in_word<kKind>(word[b][t], k, magic);
-        sum = quant::mul_add(level, scale[b], sum);  // quant::add_decoded's sum
+        if constexpr (kSubnormal) {
+          sum = quant_words::fma_subnormal(quant_words::stored_in_word<kKind>(word[b][t], k), scale[b], sum);
+        } else {
+          const float level = quant_words::level_in_word<kKind>(word[b][t], k, magic);
+          sum = quant::mul_add(level, scale[b], sum);  // quant::add_decoded's sum
+        }
       }
     }
   }
 }
 
-// Two ranks' words in flight at a time, 3 blocks an SM (up to 85 registers, the bound below). Four
-// ranks (117 registers, 2 blocks) measured 13% slower on an H200, and 4 blocks an SM (64
-// registers, a few spilled) 1-7% slower for int8 and on one shard; four ranks of int4 (whose
-// words take the registers two of int8's do) 3% slower (benchmarks/results/NOTES.md).
+// The bits of the largest of the chunk's scales over the ranks (sign cleared), in every lane.
+__device__ __forceinline__ uint32_t largest_scale_bits(const uint8_t* scale_at, int64_t step, int ranks, int lane) {
+  uint32_t largest = 0;
+#pragma unroll 1
+  for (int r = lane; r < ranks; r += kWarp) {
+    largest = max(largest, __float_as_uint(__ldg(reinterpret_cast<const float*>(scale_at + r * step))) & 0x7FFFFFFFu);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, largest);
+#else
+  for (int o = 16; o > 0; o /= 2) largest = max(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+  return largest;
+#endif
+}
+
+// Two ranks' words in flight at a time, 7 blocks of 4 warps an SM (up to 72 registers, the bound
+// below: 28 warps an SM, where blocks of 8 warps and 80 registers fit 24; on an H200 3-7% faster
+// on a bucket-sized shard, within 1% on one shard). Four ranks (117 registers) measured 13%
+// slower, 64 registers (32 warps) 2-8% slower, four ranks of int4 (whose words take the
+// registers two of int8's do) 3% slower (benchmarks/results/NOTES.md).
 constexpr int kRanksInFlight = 2;
+constexpr int kReduceThreads = 128;
 
 // kFull: chunks of 1024 (the default), every word of a lane's in the chunk, which spares the
 // bounds' predicates.
 template <quant::Codes kKind, bool kFull>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kReduceThreads, 7)
     reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                        quant::Divisor divisor, int64_t draws, uint32_t magic) {
   using Words = CodeWords<kKind>;
+  constexpr bool kSubnormal = kKind != quant::Codes::e4m3;
   const int64_t c = warp_chunk(l.chunks_per_shard());
   if (c < 0) return;
   const int lane = threadIdx.x % kWarp;
@@ -280,28 +310,42 @@ __global__ void __launch_bounds__(kThreads, 3)
   bool has[Words::kPerLane];
 #pragma unroll
   for (int t = 0; t < Words::kPerLane; ++t) has[t] = kFull || Words::byte_of(lane, t) < chunk_bytes;
-  float v[kMaxFours][4] = {};
   const int ranks = static_cast<int>(l.ranks);
+  quant_words::SubnormalSums unit{};
+  if (kSubnormal) unit = quant_words::SubnormalSums::of(largest_scale_bits(scale_at, step, ranks, lane));
+  float v[kMaxFours][4] = {};
+  float scale_sum = 0.0f;
   int r = 0;
   for (; r + kRanksInFlight <= ranks; r += kRanksInFlight) {
-    add_ranks<kKind, kRanksInFlight>(codes, scale_at, step, has, magic, v);
+    add_ranks<kKind, kRanksInFlight>(codes, scale_at, step, has, magic, unit, scale_sum, v);
     codes += kRanksInFlight * step;
     scale_at += kRanksInFlight * step;
   }
-  for (; r < ranks; ++r, codes += step, scale_at += step) add_ranks<kKind, 1>(codes, scale_at, step, has, magic, v);
+  for (; r < ranks; ++r, codes += step, scale_at += step) {
+    add_ranks<kKind, 1>(codes, scale_at, step, has, magic, unit, scale_sum, v);
+  }
+  // quant::finish_sum, then the divisor: for a power of two one fused step (the product by its
+  // inverse is exact, so rounding the difference once and then scaling is the same number)
+  const float less = kSubnormal && divisor.inverse != 0.0f ? -quant::mul(scale_sum, divisor.inverse) : 0.0f;
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      v[i][k] = divisor.apply(v[i][k]);
+      if (!kSubnormal) {
+        v[i][k] = divisor.apply(v[i][k]);
+      } else if (divisor.inverse != 0.0f) {
+        v[i][k] = quant::mul_add(v[i][k], divisor.inverse, less);
+      } else {
+        v[i][k] = quant::div(quant::add(v[i][k], -scale_sum), divisor.n);
+      }
       m = fmaxf(m, fabsf(v[i][k]));  // groups past the chunk hold zeros
     }
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
   encode_lane<kKind, Words, kFull>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
                                    static_cast<float*>(nullptr), false);
-  if (lane == 0) *l.scale(piece, 0, c) = scale;
+  if (lane == 0) *l.scale(piece, 0, c) = kSubnormal ? unit.scale_down(scale) : scale;
 }
 
 template <typename scalar_t, quant::Codes kKind>
@@ -380,7 +424,7 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
       constexpr quant::Codes kKind = decltype(kind)::value;
       auto* kernel =
           layout.chunk == kWarpChunkLimit ? reduce_warp_kernel<kKind, true> : reduce_warp_kernel<kKind, false>;
-      kernel<<<warp_blocks(layout.chunks_per_shard()), kThreads, 0, stream>>>(
+      kernel<<<four::warp_blocks(layout.chunks_per_shard(), kReduceThreads), kReduceThreads, 0, stream>>>(
           received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
           draws, quant_words::kMagicBits);
     });

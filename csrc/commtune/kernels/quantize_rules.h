@@ -240,10 +240,25 @@ COMMTUNE_HD float level_of(int8_t code, Codes codes) {
 // A code (int4: -7..7) times the chunk's scale.
 COMMTUNE_HD float decode(int8_t code, float scale, Codes codes) { return mul(level_of(code, codes), scale); }
 
-// sum + the code times the chunk's scale, rounded once: how the reduce adds up the ranks' codes
-// (one fused instruction a code on the GPU rather than a product and a sum).
+// How the reduce adds up the ranks' codes of a chunk, one rounding a code. e4m3 codes: sum +
+// level times scale, in rank order. int8 and int4 codes: their stored values (code + bias, never
+// negative) times the scale, in rank order, and at the end (finish_sum) less bias times the sum of
+// the ranks' scales. The GPU reads a stored byte as the bits of a subnormal float, whose value is
+// linear in them (no implicit leading one), so a code costs a byte permute and a fused
+// multiply-add, with no subtraction of the bias (quant_words::SubnormalSums).
+COMMTUNE_HD constexpr uint32_t bias_of(Codes codes) {
+  return codes == Codes::int8 ? 128u : codes == Codes::int4 ? 8u : 0u;
+}
+
 COMMTUNE_HD float add_decoded(float sum, int8_t code, float scale, Codes codes) {
-  return mul_add(level_of(code, codes), scale, sum);
+  const float term = codes == Codes::e4m3 ? level_of(code, codes)
+                                          : static_cast<float>(code + static_cast<int>(bias_of(codes)));
+  return mul_add(term, scale, sum);
+}
+
+// The chunk's sum from add_decoded's, given the sum of the ranks' scales in rank order.
+COMMTUNE_HD float finish_sum(float sum, float scale_sum, Codes codes) {
+  return codes == Codes::e4m3 ? sum : add(sum, -mul(static_cast<float>(bias_of(codes)), scale_sum));
 }
 
 // Values v[0..3] as codes and their levels, given their draws (four_random's).

@@ -90,6 +90,48 @@ __device__ __forceinline__ float level_in_word(uint32_t word, int k, uint32_t ma
   }
 }
 
+// The reduce's sums of int8 and int4 codes (quant::add_decoded's rule: stored values times
+// scales, less the bias times the scales' sum) in a unit where a stored code's bits, read as a
+// float, are its value: the subnormal b * 2^-149, linear in b, so a code costs a byte permute and
+// a fused multiply-add (subnormal operands: fma_subnormal). Each rank's scale is taken times 2^K,
+// K = 254 - the biased exponent of the chunk's largest scale, the most that none overflows; the
+// sums are then the CPU's times 2^(K - 149), a power of two, so no rounding differs unless a sum
+// falls below float's normal range (ranks whose scales differ by more than 2^100). The re-encode
+// does not depend on the unit (its scale is a share of the absmax), so only the stored scale is
+// taken back.
+struct SubnormalSums {
+  float up_high, up_low;  // 2^K as two normal factors
+  float down_high, down_low;  // 2^(149 - K)
+
+  // 2^e for -126 <= e <= 127.
+  __device__ static float power(int e) { return __uint_as_float(static_cast<uint32_t>(e + 127) << 23); }
+
+  // largest_bits: the bits of the chunk's largest scale (scales are >= 0).
+  __device__ static SubnormalSums of(uint32_t largest_bits) {
+    const int exponent = max(static_cast<int>(largest_bits >> 23), 1);  // subnormal largest scales as 2^-126
+    const int up = 254 - exponent, down = 149 - up;
+    return {power(min(up, 127)), power(up - min(up, 127)), power(min(down, 127)), power(down - min(down, 127))};
+  }
+  __device__ float scale_up(float scale) const { return __fmul_rn(__fmul_rn(scale, up_high), up_low); }
+  __device__ float scale_down(float scale) const { return __fmul_rn(__fmul_rn(scale, down_high), down_low); }
+};
+
+// a * b + c rounded once, subnormal operands and results kept (the build flushes them to zero
+// elsewhere).
+__device__ __forceinline__ float fma_subnormal(float a, float b, float c) {
+  float d;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+  return d;
+}
+
+// Code k of a word of int8 or int4 codes as stored (code + bias), read as a subnormal float.
+template <Codes kKind>
+__device__ __forceinline__ float stored_in_word(uint32_t word, int k) {
+  const uint32_t stored = kKind == Codes::int8 ? word ^ 0x80808080u : (word >> (4 * (k % 2))) & 0x0F0F0F0Fu;
+  const int byte = kKind == Codes::int8 ? k : k / 2;
+  return __uint_as_float(__byte_perm(stored, 0u, 0x4440u | byte));
+}
+
 // The factor level_in_word's levels take to be decoded: the chunk's scale (e4m3: times
 // kE4m3HalfFactor, exactly, since scale <= FLT_MAX / 448 cannot overflow).
 template <Codes kKind>
