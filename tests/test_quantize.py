@@ -192,17 +192,18 @@ def test_cuda_reduce_of_a_large_shard_is_the_cpu_bits(codes, ranks):
     assert torch.equal(out[0], out[1])
 
 
-@needs_cuda
-@pytest.mark.needs_cuda
-def test_cuda_passes_refuse_pieces_off_a_word():
+@pytest.mark.parametrize("device", DEVICES)
+def test_passes_refuse_pieces_off_a_word(device):
     numel, ranks, chunk = 4096, 2, 1024
     _, piece_bytes = _C.quantize_layout(numel, ranks, chunk, "int8")
-    spare = torch.zeros(ranks * piece_bytes + 1, dtype=torch.uint8, device="cuda")
-    piece = torch.empty(piece_bytes, dtype=torch.uint8, device="cuda")
+    spare = torch.zeros(ranks * piece_bytes + 1, dtype=torch.uint8, device=device)
+    piece = torch.empty(piece_bytes, dtype=torch.uint8, device=device)
     with pytest.raises(RuntimeError, match="received pieces must start 4-byte aligned"):
         _C.reduce_shard_(spare[1:], piece, numel, ranks, chunk, ranks, 5, "int8")
-    with pytest.raises(RuntimeError, match="packed shards must start 4-byte aligned"):
-        _C.quantize_shards_(torch.ones(numel, device="cuda"), None, spare[1:], ranks, chunk, 5, "int8")
+    with pytest.raises(RuntimeError, match="packed buffer must start 4-byte aligned"):
+        _C.quantize_shards_(torch.ones(numel, device=device), None, spare[1:], ranks, chunk, 5, "int8")
+    with pytest.raises(RuntimeError, match="gathered pieces must start 4-byte aligned"):
+        _C.dequantize_shards_(spare[1:], torch.empty(numel, device=device), ranks, chunk, "int8")
 
 
 # ---- the hook through DDP -------------------------------------------------------------------

@@ -57,6 +57,16 @@ def test_decoding_averages_the_ranks_pieces(device, numel):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_pieces_off_a_word_are_refused(device):
+    numel = 3000
+    spare = torch.zeros(2 * _C.sign_piece_bytes(numel, CHUNK) + 1, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="encoded piece must start 4-byte aligned"):
+        _C.sign_encode_(torch.ones(numel, device=device), None, spare[1:_C.sign_piece_bytes(numel, CHUNK) + 1], CHUNK)
+    with pytest.raises(RuntimeError, match="gathered pieces must start 4-byte aligned"):
+        _C.sign_decode_mean_(spare[1:], torch.empty(numel, device=device), 2, CHUNK)
+
+
 def simulate(steps_locals, world):
     errors = [torch.zeros_like(steps_locals[0][0]) for _ in range(world)]
     out = []

@@ -4,6 +4,7 @@
 // std::ostream::_M_insert<long>, in any extension built there (a load_inline one too).
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <string>
 
 namespace commtune {
@@ -15,5 +16,9 @@ inline std::string shape_of(const at::Tensor& t) {
   }
   return out + "]";
 }
+
+// Whether t's data starts 4-byte aligned: packed codes are read and written as whole 32-bit
+// words (and floats), which a view at an odd offset would break.
+inline bool word_aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0; }
 
 } // namespace commtune

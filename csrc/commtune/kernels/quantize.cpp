@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <vector>
 
 namespace commtune {
@@ -18,13 +17,9 @@ void check_packed(const at::Tensor& t, int64_t bytes, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == bytes, "Quantize: ", what,
               " must be a contiguous uint8 tensor of ", std::to_string(bytes), " bytes, got ", t.scalar_type(), " ",
               shape_of(t));
-}
-
-// The CUDA kernels read and write the codes a 4-byte word at a time.
-void check_words_aligned(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0, "Quantize: ", what,
-              " must start 4-byte aligned on the GPU (its kernels move whole words of codes); pass a tensor of "
-              "its own or a view at a multiple of 4 bytes");
+  TORCH_CHECK(word_aligned(t), "Quantize: ", what,
+              " must start 4-byte aligned (codes move as whole words): a tensor of its own, or a view at a multiple "
+              "of 4 bytes");
 }
 
 void check_values(const at::Tensor& t, int64_t numel, const char* what) {
@@ -92,10 +87,7 @@ void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::
   if (error.defined()) check_values(error, layout.numel, "the error buffer");
   check_packed(packed, layout.ranks * layout.piece_bytes(), "the packed buffer");
 #ifdef COMMTUNE_WITH_CUDA
-  if (src.is_cuda()) {
-    check_words_aligned(packed, "the packed shards");
-    return quantize_shards_cuda_(src, error, packed, layout, draws);
-  }
+  if (src.is_cuda()) return quantize_shards_cuda_(src, error, packed, layout, draws);
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "quantize_shards", [&] {
     const scalar_t* in = src.const_data_ptr<scalar_t>();
@@ -132,11 +124,7 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
   check_packed(piece, layout.piece_bytes(), "the reduced piece");
   TORCH_CHECK(received.device() == piece.device(), "Quantize: received and reduced pieces must share a device");
 #ifdef COMMTUNE_WITH_CUDA
-  if (received.is_cuda()) {
-    check_words_aligned(received, "the received pieces");
-    check_words_aligned(piece, "the reduced piece");
-    return reduce_shard_cuda_(received, piece, layout, divisor, draws);
-  }
+  if (received.is_cuda()) return reduce_shard_cuda_(received, piece, layout, divisor, draws);
 #endif
   uint8_t* in = received.mutable_data_ptr<uint8_t>();
   uint8_t* out = piece.mutable_data_ptr<uint8_t>();
@@ -162,10 +150,7 @@ void dequantize_shards_(const at::Tensor& packed, const at::Tensor& out, const Q
   check_packed(packed, layout.ranks * layout.piece_bytes(), "the gathered pieces");
   check_values(out, layout.numel, "the bucket");
 #ifdef COMMTUNE_WITH_CUDA
-  if (out.is_cuda()) {
-    check_words_aligned(packed, "the gathered pieces");
-    return dequantize_shards_cuda_(packed, out, layout);
-  }
+  if (out.is_cuda()) return dequantize_shards_cuda_(packed, out, layout);
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dequantize_shards", [&] {
     uint8_t* in = packed.mutable_data_ptr<uint8_t>();

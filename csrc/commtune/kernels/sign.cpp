@@ -15,6 +15,9 @@ void check_piece(const at::Tensor& t, int64_t bytes, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == bytes, "SignSGD: ", what,
               " must be a contiguous uint8 tensor of ", std::to_string(bytes), " bytes, got ", t.scalar_type(), " ",
               shape_of(t));
+  TORCH_CHECK(word_aligned(t), "SignSGD: ", what,
+              " must start 4-byte aligned (signs move as whole words): a tensor of its own, or a view at a multiple "
+              "of 4 bytes");
 }
 
 void check_values(const at::Tensor& t, int64_t numel, const char* what) {
