@@ -1,4 +1,5 @@
 #pragma once
+// Tensors described in error messages, and the argument checks of the compression passes.
 // Numbers in error messages go through std::to_string, never an ostream: on the GPU machine
 // (torch 2.11, GCC 13) streaming an integer into TORCH_CHECK's message segfaults inside
 // std::ostream::_M_insert<long>, in any extension built there (a load_inline one too).
@@ -17,8 +18,24 @@ inline std::string shape_of(const at::Tensor& t) {
   return out + "]";
 }
 
-// Whether t's data starts 4-byte aligned: packed codes are read and written as whole 32-bit
-// words (and floats), which a view at an odd offset would break.
-inline bool word_aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0; }
+// The checks the compression passes (Quantize, SignSGD; `scheme` names them) make of their
+// arguments. A packed buffer is a contiguous uint8 tensor of exactly `bytes` bytes that starts
+// 4-byte aligned: its codes or signs are read and written as whole 32-bit words (and floats),
+// which a view at an odd offset would break.
+inline void check_packed(const at::Tensor& t, int64_t bytes, const char* scheme, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == bytes, scheme, ": ", what,
+              " must be a contiguous uint8 tensor of ", std::to_string(bytes), " bytes, got ", t.scalar_type(), " ",
+              shape_of(t));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0, scheme, ": ", what,
+              " must start 4-byte aligned (packed data moves as whole words): a tensor of its own, or a view at a "
+              "multiple of 4 bytes");
+}
+
+// Values to encode or decode into: a contiguous floating-point tensor of at least `numel` elements.
+inline void check_values(const at::Tensor& t, int64_t numel, const char* scheme, const char* what) {
+  TORCH_CHECK(t.is_floating_point() && t.is_contiguous() && t.numel() >= numel, scheme, ": ", what,
+              " must be a contiguous floating-point tensor of at least ", std::to_string(numel), " elements, got ",
+              t.scalar_type(), " ", shape_of(t));
+}
 
 } // namespace commtune

@@ -13,21 +13,6 @@
 namespace commtune {
 namespace {
 
-void check_packed(const at::Tensor& t, int64_t bytes, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == bytes, "Quantize: ", what,
-              " must be a contiguous uint8 tensor of ", std::to_string(bytes), " bytes, got ", t.scalar_type(), " ",
-              shape_of(t));
-  TORCH_CHECK(word_aligned(t), "Quantize: ", what,
-              " must start 4-byte aligned (codes move as whole words): a tensor of its own, or a view at a multiple "
-              "of 4 bytes");
-}
-
-void check_values(const at::Tensor& t, int64_t numel, const char* what) {
-  TORCH_CHECK(t.is_floating_point() && t.is_contiguous() && t.numel() >= numel, "Quantize: ", what,
-              " must be a contiguous floating-point tensor of at least ", std::to_string(numel),
-              " elements, got ", t.scalar_type(), " ", shape_of(t));
-}
-
 // Encodes `values` (one chunk, as floats) with its absmax scale into `codes`; returns the scale.
 float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t draws, quant::Codes kind,
                    uint8_t* codes) {
@@ -83,9 +68,9 @@ QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, q
 
 void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
                       const QuantizeLayout& layout, int64_t draws) {
-  check_values(src, layout.numel, "the bucket");
-  if (error.defined()) check_values(error, layout.numel, "the error buffer");
-  check_packed(packed, layout.ranks * layout.piece_bytes(), "the packed buffer");
+  check_values(src, layout.numel, "Quantize", "the bucket");
+  if (error.defined()) check_values(error, layout.numel, "Quantize", "the error buffer");
+  check_packed(packed, layout.ranks * layout.piece_bytes(), "Quantize", "the packed buffer");
 #ifdef COMMTUNE_WITH_CUDA
   if (src.is_cuda()) return quantize_shards_cuda_(src, error, packed, layout, draws);
 #endif
@@ -120,8 +105,8 @@ void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::
 void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const QuantizeLayout& layout,
                    int64_t divisor, int64_t draws) {
   TORCH_CHECK(divisor >= 1, "Quantize: divisor must be >= 1");
-  check_packed(received, layout.ranks * layout.piece_bytes(), "the received pieces");
-  check_packed(piece, layout.piece_bytes(), "the reduced piece");
+  check_packed(received, layout.ranks * layout.piece_bytes(), "Quantize", "the received pieces");
+  check_packed(piece, layout.piece_bytes(), "Quantize", "the reduced piece");
   TORCH_CHECK(received.device() == piece.device(), "Quantize: received and reduced pieces must share a device");
 #ifdef COMMTUNE_WITH_CUDA
   if (received.is_cuda()) return reduce_shard_cuda_(received, piece, layout, divisor, draws);
@@ -147,8 +132,8 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
 }
 
 void dequantize_shards_(const at::Tensor& packed, const at::Tensor& out, const QuantizeLayout& layout) {
-  check_packed(packed, layout.ranks * layout.piece_bytes(), "the gathered pieces");
-  check_values(out, layout.numel, "the bucket");
+  check_packed(packed, layout.ranks * layout.piece_bytes(), "Quantize", "the gathered pieces");
+  check_values(out, layout.numel, "Quantize", "the bucket");
 #ifdef COMMTUNE_WITH_CUDA
   if (out.is_cuda()) return dequantize_shards_cuda_(packed, out, layout);
 #endif

@@ -224,16 +224,16 @@ using quant_words::CodeWords;
 // Adds kRanks ranks' codes of the warp's chunk, in rank order, to the lane's sums: `codes` is the
 // lane's first word of the first of them, `scale_at` that rank's scale of the chunk, and each
 // next rank's are `step` bytes on; `has[t]`: the lane's word t is in the chunk. int8 and int4
-// codes are added as quant_words::SubnormalSums says (their unit `unit`; `scale_sum` gathers
-// the bias's share), e4m3 codes by level (`magic`: quant_words::kMagicBits). Every load is issued
+// codes are added as quant_words::SubnormalSums says (their unit `unit`; `bias_sum` gathers
+// the bias times the scales, quant::finish_sum's share), e4m3 codes by level (`magic`: quant_words::kMagicBits). Every load is issued
 // before the first is used (no branch between them): that is what keeps enough bytes in flight.
 template <quant::Codes kKind, int kRanks>
 __device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* scale_at, int64_t step,
                                           const bool (&has)[CodeWords<kKind>::kPerLane], uint32_t magic,
-                                          const quant_words::SubnormalSums& unit, float& scale_sum,
+                                          const quant_words::SubnormalSums& unit, float& bias_sum,
                                           float (&v)[kMaxFours][4]) {
   using Words = CodeWords<kKind>;
-  constexpr bool kSubnormal = kKind != quant::Codes::e4m3;
+  constexpr bool kSubnormal = quant_words::kSubnormalSums<kKind>;
   uint32_t word[kRanks][Words::kPerLane];
   float scale[kRanks];
 #pragma unroll
@@ -247,8 +247,8 @@ __device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* s
   constexpr int kCodes = 32 / quant::bits_of(kKind);
 #pragma unroll
   for (int b = 0; b < kRanks; ++b) {
-    if (kSubnormal) {  // the bias times the scale, in the sums' unit (quant::finish_sum's share)
-      scale_sum = quant_words::fma_subnormal(__uint_as_float(quant::bias_of(kKind)), scale[b], scale_sum);
+    if (kSubnormal) {  // the bias times the scale, in the sums' unit
+      bias_sum = quant_words::fma_subnormal(__uint_as_float(quant::bias_of(kKind)), scale[b], bias_sum);
     }
 #pragma unroll
     for (int t = 0; t < Words::kPerLane; ++t) {
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kReduceThreads, 7)
     reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                        quant::Divisor divisor, int64_t draws, uint32_t magic) {
   using Words = CodeWords<kKind>;
-  constexpr bool kSubnormal = kKind != quant::Codes::e4m3;
+  constexpr bool kSubnormal = quant_words::kSubnormalSums<kKind>;
   const int64_t c = warp_chunk(l.chunks_per_shard());
   if (c < 0) return;
   const int lane = threadIdx.x % kWarp;
@@ -314,31 +314,27 @@ __global__ void __launch_bounds__(kReduceThreads, 7)
   quant_words::SubnormalSums unit{};
   if (kSubnormal) unit = quant_words::SubnormalSums::of(largest_scale_bits(scale_at, step, ranks, lane));
   float v[kMaxFours][4] = {};
-  float scale_sum = 0.0f;
+  float bias_sum = 0.0f;
   int r = 0;
   for (; r + kRanksInFlight <= ranks; r += kRanksInFlight) {
-    add_ranks<kKind, kRanksInFlight>(codes, scale_at, step, has, magic, unit, scale_sum, v);
+    add_ranks<kKind, kRanksInFlight>(codes, scale_at, step, has, magic, unit, bias_sum, v);
     codes += kRanksInFlight * step;
     scale_at += kRanksInFlight * step;
   }
   for (; r < ranks; ++r, codes += step, scale_at += step) {
-    add_ranks<kKind, 1>(codes, scale_at, step, has, magic, unit, scale_sum, v);
+    add_ranks<kKind, 1>(codes, scale_at, step, has, magic, unit, bias_sum, v);
   }
   // quant::finish_sum, then the divisor: for a power of two one fused step (the product by its
   // inverse is exact, so rounding the difference once and then scaling is the same number)
-  const float less = kSubnormal && divisor.inverse != 0.0f ? -quant::mul(scale_sum, divisor.inverse) : 0.0f;
+  const bool fused = kSubnormal && divisor.inverse != 0.0f;
+  const float less = fused ? -quant::mul(bias_sum, divisor.inverse) : 0.0f;
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      if (!kSubnormal) {
-        v[i][k] = divisor.apply(v[i][k]);
-      } else if (divisor.inverse != 0.0f) {
-        v[i][k] = quant::mul_add(v[i][k], divisor.inverse, less);
-      } else {
-        v[i][k] = quant::div(quant::add(v[i][k], -scale_sum), divisor.n);
-      }
+      v[i][k] = fused ? quant::mul_add(v[i][k], divisor.inverse, less)
+                      : divisor.apply(kSubnormal ? quant::add(v[i][k], -bias_sum) : v[i][k]);
       m = fmaxf(m, fabsf(v[i][k]));  // groups past the chunk hold zeros
     }
   }

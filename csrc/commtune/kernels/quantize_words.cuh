@@ -99,6 +99,9 @@ __device__ __forceinline__ float level_in_word(uint32_t word, int k, uint32_t ma
 // falls below float's normal range (ranks whose scales differ by more than 2^100). The re-encode
 // does not depend on the unit (its scale is a share of the absmax), so only the stored scale is
 // taken back.
+template <Codes kKind>
+constexpr bool kSubnormalSums = kKind != Codes::e4m3;  // the kinds whose sums SubnormalSums makes
+
 struct SubnormalSums {
   float up_high, up_low;  // 2^K as two normal factors
   float down_high, down_low;  // 2^(149 - K)

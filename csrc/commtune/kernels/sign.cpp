@@ -9,24 +9,6 @@
 #include <cmath>
 
 namespace commtune {
-namespace {
-
-void check_piece(const at::Tensor& t, int64_t bytes, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == bytes, "SignSGD: ", what,
-              " must be a contiguous uint8 tensor of ", std::to_string(bytes), " bytes, got ", t.scalar_type(), " ",
-              shape_of(t));
-  TORCH_CHECK(word_aligned(t), "SignSGD: ", what,
-              " must start 4-byte aligned (signs move as whole words): a tensor of its own, or a view at a multiple "
-              "of 4 bytes");
-}
-
-void check_values(const at::Tensor& t, int64_t numel, const char* what) {
-  TORCH_CHECK(t.is_floating_point() && t.is_contiguous() && t.numel() >= numel, "SignSGD: ", what,
-              " must be a contiguous floating-point tensor of at least ", std::to_string(numel), " elements, got ",
-              t.scalar_type(), " ", shape_of(t));
-}
-
-} // namespace
 
 SignLayout SignLayout::of(int64_t numel, int64_t chunk) {
   TORCH_CHECK(chunk >= 32 && chunk % 32 == 0, "SignSGD: chunk must be a positive multiple of 32, got ",
@@ -38,9 +20,9 @@ SignLayout SignLayout::of(int64_t numel, int64_t chunk) {
 }
 
 void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout) {
-  check_values(src, layout.numel, "the bucket");
-  if (error.defined()) check_values(error, layout.numel, "the error buffer");
-  check_piece(piece, layout.piece_bytes(), "the encoded piece");
+  check_values(src, layout.numel, "SignSGD", "the bucket");
+  if (error.defined()) check_values(error, layout.numel, "SignSGD", "the error buffer");
+  check_packed(piece, layout.piece_bytes(), "SignSGD", "the encoded piece");
 #ifdef COMMTUNE_WITH_CUDA
   if (src.is_cuda()) return sign_encode_cuda_(src, error, piece, layout);
 #endif
@@ -75,8 +57,8 @@ void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tens
 
 void sign_decode_mean_(const at::Tensor& gathered, const at::Tensor& out, int64_t ranks, const SignLayout& layout) {
   TORCH_CHECK(ranks >= 1, "SignSGD: ranks must be >= 1");
-  check_piece(gathered, ranks * layout.piece_bytes(), "the gathered pieces");
-  check_values(out, layout.numel, "the bucket");
+  check_packed(gathered, ranks * layout.piece_bytes(), "SignSGD", "the gathered pieces");
+  check_values(out, layout.numel, "SignSGD", "the bucket");
 #ifdef COMMTUNE_WITH_CUDA
   if (out.is_cuda()) return sign_decode_mean_cuda_(gathered, out, ranks, layout);
 #endif
