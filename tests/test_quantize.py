@@ -193,6 +193,47 @@ def test_cuda_reduce_of_a_large_shard_is_the_cpu_bits(codes, ranks):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codes", CODES)
+def test_inf_and_nan_make_their_chunk_not_finite_and_leave_no_error(device, codes):
+    # An Inf (chunk 0) and a NaN (chunk 2) must reach the decoded values, the whole chunk not
+    # finite, so that a loss scaler sees them on every rank; the error feedback keeps nothing of
+    # those chunks (else every later step would be NaN). The other chunks are untouched.
+    numel, ranks, chunk = 4096, 2, 1024
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    src[5], src[2 * chunk + 7] = float("inf"), float("nan")
+    packed, error, piece, decoded = (t.cpu() for t in round_trip(src.to(device), ranks, chunk, codes=codes)[:4])
+    bad = torch.zeros(numel, dtype=torch.bool)
+    bad[:chunk] = bad[2 * chunk:3 * chunk] = True
+    assert not torch.isfinite(decoded[bad]).any()
+    assert bool((error[bad] == 0).all())
+    clean = src.clone()
+    clean[bad] = 0
+    expected, _ = encode(clean, chunk, codes)
+    assert torch.equal(decoded[~bad], expected[~bad])
+    assert torch.equal(error[~bad], (src - decoded)[~bad])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codes", CODES)
+def test_an_infinite_scale_reaches_the_reduced_chunk(device, codes):
+    # One rank's chunk overflowed (its scale is Inf): the reduced chunk's values must not be
+    # finite on any rank; the other chunk is whole.
+    numel, ranks, chunk = 4096, 2, 1024
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(11))
+    shard, piece_bytes = _C.quantize_layout(numel, ranks, chunk, codes)
+    code_bytes = shard * BITS[codes] // 8
+    received = round_trip(src, ranks, chunk, codes=codes)[0][:piece_bytes].repeat(ranks)
+    received[piece_bytes + code_bytes:piece_bytes + code_bytes + 4] = torch.tensor([float("inf")]).view(torch.uint8)
+    piece = torch.empty(piece_bytes, dtype=torch.uint8, device=device)
+    _C.reduce_shard_(received.to(device), piece, numel, ranks, chunk, ranks, 5, codes)
+    piece = piece.cpu()
+    scales = torch.tensor(piece[code_bytes:].numpy().view("float32"))
+    decoded = unpack(piece[:code_bytes], codes).view(-1, chunk) * scales[:, None]
+    assert not torch.isfinite(decoded[0]).any()
+    assert torch.isfinite(decoded[1]).all() and decoded[1].abs().max() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_passes_refuse_pieces_off_a_word(device):
     numel, ranks, chunk = 4096, 2, 1024
     _, piece_bytes = _C.quantize_layout(numel, ranks, chunk, "int8")

@@ -72,3 +72,32 @@ TEST(QuantizeRules, TheReducesProductAndSumAreRoundedOnce) {
 }
 
 } // namespace
+
+namespace {
+
+// A chunk's absmax keeps a NaN wherever it comes (std::max and fmaxf drop it), and Inf.
+TEST(QuantizeRules, TheAbsmaxKeepsNanAndInf) {
+  const float nan = std::nanf(""), inf = INFINITY;
+  for (int at = 0; at < 4; ++at) {
+    float m = 0.0f, with_inf = 0.0f;
+    for (int j = 0; j < 4; ++j) {
+      m = quant::max_magnitude(m, j == at ? nan : -2.0f * j);
+      with_inf = quant::max_magnitude(with_inf, j == at ? -inf : 3.0f);
+    }
+    EXPECT_TRUE(std::isnan(m)) << at;
+    EXPECT_EQ(with_inf, inf) << at;
+  }
+  EXPECT_EQ(quant::max_magnitude(quant::max_magnitude(0.0f, -5.0f), 2.0f), 5.0f);
+}
+
+// The error feedback keeps nothing of a chunk whose scale is not finite, and x - level * scale
+// of the others.
+TEST(QuantizeRules, NoErrorIsKeptOfANonFiniteChunk) {
+  EXPECT_EQ(quant::error_of(1.5f, 1.0f, std::nanf("")), 0.0f);
+  EXPECT_EQ(quant::error_of(INFINITY, 0.0f, INFINITY), 0.0f);
+  EXPECT_EQ(quant::error_of(1.5f, 1.0f, 1.25f), 0.25f);
+  EXPECT_TRUE(std::isnan(quant::reduced_scale(2.0f, false)));
+  EXPECT_EQ(quant::reduced_scale(2.0f, true), 2.0f);
+}
+
+} // namespace

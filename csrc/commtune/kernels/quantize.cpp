@@ -17,7 +17,7 @@ namespace {
 float encode_chunk(const float* values, int64_t n, uint64_t first_index, int64_t draws, quant::Codes kind,
                    uint8_t* codes) {
   float absmax = 0;
-  for (int64_t j = 0; j < n; ++j) absmax = std::max(absmax, std::fabs(values[j]));
+  for (int64_t j = 0; j < n; ++j) absmax = quant::max_magnitude(absmax, values[j]);
   const float scale = quant::scale_of(absmax, kind), inverse = quant::inverse(scale);
   for (int64_t j = 0; j < n; j += 4) {
     int8_t q[4];
@@ -94,7 +94,7 @@ void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::
           int8_t q[4];
           quant::load_four_codes(codes, j, layout.kind, q);
           for (int k = 0; k < 4 && first + j + k < layout.numel; ++k) {
-            err[first + j + k] = static_cast<scalar_t>(quant::add(values[j + k], -quant::decode(q[k], scale, layout.kind)));
+            err[first + j + k] = static_cast<scalar_t>(quant::error_of(values[j + k], quant::level_of(q[k], layout.kind), scale));
           }
         }
       }
@@ -118,15 +118,18 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
     for (int64_t c = begin; c < end; ++c) {
       std::fill(values.begin(), values.end(), 0.0f);
       float scale_sum = 0.0f;
+      bool finite = true;
       for (int64_t r = 0; r < layout.ranks; ++r) {
         add_decoded_chunk(values.data(), layout.codes(in, r, c), layout.chunk, *layout.scale(in, r, c), layout.kind);
         scale_sum = quant::add(scale_sum, *layout.scale(in, r, c));
+        finite = finite && quant::finite_scale(*layout.scale(in, r, c));
       }
       for (int64_t j = 0; j < layout.chunk; ++j) {
         values[j] = quant::div(quant::finish_sum(values[j], scale_sum, layout.kind), static_cast<float>(divisor));
       }
-      *layout.scale(out, 0, c) =
+      const float scale =
           encode_chunk(values.data(), layout.chunk, c * layout.chunk, draws, layout.kind, layout.codes(out, 0, c));
+      *layout.scale(out, 0, c) = quant::reduced_scale(scale, finite);
     }
   });
 }

@@ -28,12 +28,12 @@ constexpr int kThreads = 256;
 __device__ float block_absmax(const float* values, int64_t n) {
   __shared__ float partial[kThreads / 32];
   float m = 0.0f;
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, fabsf(values[j]));
-  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  for (int64_t j = threadIdx.x; j < n; j += kThreads) m = quant::max_magnitude(m, values[j]);
+  for (int o = 16; o > 0; o /= 2) m = quant::max_magnitude(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = m;
   __syncthreads();
   float total = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) total = fmaxf(total, partial[w]);
+  for (int w = 0; w < kThreads / 32; ++w) total = quant::max_magnitude(total, partial[w]);
   __syncthreads();  // partial may be reused by the next call
   return total;
 }
@@ -54,7 +54,7 @@ __device__ __forceinline__ void store_error_four(scalar_t* error, int64_t at, in
                                                  const float* values, const float (&level)[4], float scale) {
   float rest[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) rest[k] = quant::add(values[k], -quant::mul(level[k], scale));
+  for (int k = 0; k < 4; ++k) rest[k] = quant::error_of(values[k], level[k], scale);
   four::store(error, at, numel, vector, rest);
 }
 
@@ -103,7 +103,11 @@ __global__ void reduce_kernel(uint8_t* __restrict__ received, uint8_t* __restric
     float level[4];
     encode_store_four(values, j, c * l.chunk, draws, inverse, l.kind, l.codes(piece, 0, c), level);
   }
-  if (threadIdx.x == 0) *l.scale(piece, 0, c) = scale;
+  if (threadIdx.x == 0) {
+    bool finite = true;
+    for (int64_t r = 0; r < l.ranks; ++r) finite = finite && quant::finite_scale(*l.scale(received, r, c));
+    *l.scale(piece, 0, c) = quant::reduced_scale(scale, finite);
+  }
 }
 
 template <typename scalar_t>
@@ -131,7 +135,7 @@ using four::kWarpChunkLimit;
 
 __device__ __forceinline__ float warp_absmax(float m) {
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  for (int o = 16; o > 0; o /= 2) m = quant::max_magnitude(m, __shfl_xor_sync(0xffffffffu, m, o));
   return m;
 }
 
@@ -212,7 +216,7 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
 #pragma unroll
   for (int i = 0; i < kMaxFours; ++i) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) m = fmaxf(m, fabsf(v[i][k]));
+    for (int k = 0; k < 4; ++k) m = quant::max_magnitude(m, v[i][k]);
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
   encode_lane<kKind, FloatGroups>(v, lane, l, first, draws, scale, l.codes(packed, s, c), error, vector);
@@ -311,8 +315,9 @@ __global__ void __launch_bounds__(kReduceThreads, 7)
 #pragma unroll
   for (int t = 0; t < Words::kPerLane; ++t) has[t] = kFull || Words::byte_of(lane, t) < chunk_bytes;
   const int ranks = static_cast<int>(l.ranks);
+  const uint32_t largest = largest_scale_bits(scale_at, step, ranks, lane);
   quant_words::SubnormalSums unit{};
-  if (kSubnormal) unit = quant_words::SubnormalSums::of(largest_scale_bits(scale_at, step, ranks, lane));
+  if (kSubnormal) unit = quant_words::SubnormalSums::of(largest);
   float v[kMaxFours][4] = {};
   float bias_sum = 0.0f;
   int r = 0;
@@ -335,13 +340,16 @@ __global__ void __launch_bounds__(kReduceThreads, 7)
     for (int k = 0; k < 4; ++k) {
       v[i][k] = fused ? quant::mul_add(v[i][k], divisor.inverse, less)
                       : divisor.apply(kSubnormal ? quant::add(v[i][k], -bias_sum) : v[i][k]);
-      m = fmaxf(m, fabsf(v[i][k]));  // groups past the chunk hold zeros
+      m = quant::max_magnitude(m, v[i][k]);  // groups past the chunk hold zeros
     }
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
   encode_lane<kKind, Words, kFull>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
                                    static_cast<float*>(nullptr), false);
-  if (lane == 0) *l.scale(piece, 0, c) = kSubnormal ? unit.scale_down(scale) : scale;
+  if (lane == 0) {
+    *l.scale(piece, 0, c) = quant::reduced_scale(kSubnormal ? unit.scale_down(scale) : scale,
+                                                  quant::finite_scale(__uint_as_float(largest)));
+  }
 }
 
 template <typename scalar_t, quant::Codes kKind>

@@ -169,6 +169,42 @@ COMMTUNE_HD uint8_t small_float_to_byte(float y) {
 #endif
 }
 
+// The larger of m and |x|, NaN where either is: a chunk holding a NaN gets a NaN scale, so that
+// every rank sees it (fmaxf would drop it). Inf stays Inf.
+COMMTUNE_HD float max_magnitude(float m, float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;  // abs in the same asm: one FMNMX.NAN with |x| (the build's abs.ftz does not fold)
+  asm("{ .reg .f32 a; abs.f32 a, %2; max.NaN.f32 %0, %1, a; }" : "=f"(r) : "f"(m), "f"(x));
+  return r;
+#else
+#if defined(__CUDA_ARCH__)
+  const float a = fabsf(x);
+#else
+  const float a = std::fabs(x);
+#endif
+  return a > m || a != a ? a : m;
+#endif
+}
+
+// Whether a chunk's scale is finite. An Inf or NaN scale marks a chunk that held an Inf or a NaN
+// (or overflowed): it goes on the wire as it is, its values decode to Inf or NaN on every rank,
+// and the reduce makes the chunk's sum NaN.
+COMMTUNE_HD bool finite_scale(float scale) { return scale <= 3.40282347e38f; }
+
+// The reduced chunk's scale to store: NaN where a rank's scale of the chunk was not finite
+// (its sum is not a number; the re-encoded scale may not say so, since sums of Inf and -Inf
+// codes are NaN, which the absmax of finite ones does not always keep).
+COMMTUNE_HD float reduced_scale(float scale, bool ranks_finite) {
+  return ranks_finite ? scale : float_from_bits(0x7FC00000u);
+}
+
+// What a code keeps back of value x for error feedback: x less its level times the scale; nothing
+// where the scale is not finite (the step that overflowed is the loss scaler's to skip, and an
+// Inf or NaN kept here would spoil every later step).
+COMMTUNE_HD float error_of(float x, float level, float scale) {
+  return finite_scale(scale) ? add(x, -mul(level, scale)) : 0.0f;
+}
+
 COMMTUNE_HD float scale_of(float absmax, Codes codes) { return div(absmax, top_of(codes)); }
 
 COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) : 0.0f; }
