@@ -32,7 +32,7 @@ Hook::Launch RandomKHook::communicate(c10d::GradBucket& bucket) {
   const at::Tensor x = options_.error_feedback ? add_to_error(bucket) : buffer;
   at::Tensor values = x.index_select(0, positions);
   if (options_.error_feedback) {
-    x.index_fill_(0, positions, 0);  // sent in full
+    keep_finite(x.index_fill_(0, positions, 0));  // sent in full
   }
   auto future = allreduce_sum(values);
   const int64_t n = world_size();

@@ -21,6 +21,7 @@ at::Tensor TopKHook::pick(const at::Tensor& x, int64_t k) {
   if (options_.selection == Selection::threshold) {
     at::Tensor qualifying = at::empty({1}, x.options().dtype(at::kLong));
     threshold_top_k_(x, k, piece, qualifying, options_.error_feedback);
+    if (options_.error_feedback) keep_finite(x);
     std::lock_guard<std::mutex> lock(qualifying_mutex_);
     if (!qualifying_total_.defined()) qualifying_total_ = at::zeros({1}, qualifying.options());
     qualifying_total_.add_(qualifying);
@@ -30,7 +31,7 @@ at::Tensor TopKHook::pick(const at::Tensor& x, int64_t k) {
   const at::Tensor indices = std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false));
   piece.narrow(0, 0, k).view(at::kFloat).copy_(x.index_select(0, indices));
   piece.narrow(0, k, k).copy_(indices);
-  if (options_.error_feedback) x.index_fill_(0, indices, 0);
+  if (options_.error_feedback) keep_finite(x.index_fill_(0, indices, 0));
   return piece;
 }
 

@@ -47,8 +47,8 @@ void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tens
           bits[w] = word;
         }
         for (int64_t i = first; err != nullptr && i < last; ++i) {
-          const float decoded = (bits[i / 32] >> (i % 32)) & 1u ? -scale : scale;
-          err[i] = static_cast<scalar_t>(quant::add(static_cast<float>(in[i]), -decoded));
+          const float sign = (bits[i / 32] >> (i % 32)) & 1u ? -1.0f : 1.0f;
+          err[i] = static_cast<scalar_t>(quant::error_of(static_cast<float>(in[i]), sign, scale));
         }
       }
     });

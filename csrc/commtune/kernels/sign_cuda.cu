@@ -40,7 +40,7 @@ __global__ void sign_encode_kernel(const scalar_t* __restrict__ src, scalar_t* e
     const uint32_t word = __ballot_sync(0xffffffffu, valid && x < 0.0f);
     if (threadIdx.x % 32 == 0) bits[i / 32] = word;
     if (error != nullptr && valid) {
-      error[i] = static_cast<scalar_t>(quant::add(x, -(x < 0.0f ? -scale : scale)));
+      error[i] = static_cast<scalar_t>(quant::error_of(x, x < 0.0f ? -1.0f : 1.0f, scale));
     }
   }
 }
@@ -90,7 +90,7 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
     if (error != nullptr) {
       float rest[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) rest[k] = quant::add(v[i][k], -(v[i][k] < 0.0f ? -scale : scale));
+      for (int k = 0; k < 4; ++k) rest[k] = quant::error_of(v[i][k], v[i][k] < 0.0f ? -1.0f : 1.0f, scale);
       four::store(error, first + j, l.numel, vector, rest);
     }
   }
