@@ -70,28 +70,33 @@ OVERFLOWING = {
     "topk": lambda ct: ct.hooks.TopK(ratio=0.25, min_size=0),
     "topk_threshold": lambda ct: ct.hooks.TopK(ratio=0.25, min_size=0, selection="threshold"),
     "randomk": lambda ct: ct.hooks.RandomK(ratio=0.25, min_size=0),
+    # compresses from iteration 2 on: the overflow comes at step 3 (below)
+    "powersgd": lambda ct: ct.hooks.PowerSGD(rank=2, start_iter=2, min_compression_rate=0.5),
 }
 
 
 def _overflow_then_finite(rank, world_size, hook):
-    """One step where rank 0's gradient holds an Inf (every value of it Inf or NaN), then finite
-    steps, through a compressing hook with error feedback, as a loss scaler's overflow would go."""
+    """One step where rank 0's gradient holds an Inf (every value of it Inf or NaN), then two
+    finite steps, through a compressing hook with error feedback, as a loss scaler's overflow
+    would go."""
     import commtune as ct
 
     torch.manual_seed(0)
     ddp = ct.wrap(nn.Linear(32, 32, bias=False), hook=OVERFLOWING[hook](ct))
+    overflow = 3 if hook == "powersgd" else 0
     out = {"after": []}
-    for step in range(3):
+    for step in range(overflow + 3):
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
-        if step == 0 and rank == 0:
+        if step == overflow and rank == 0:
             x[1, 5] = float("inf")
         ddp.zero_grad()
         ddp(x).pow(2).sum().backward()
         grad = ddp.module.weight.grad.clone()
-        if step == 0:
+        if step == overflow:
             out["overflow"] = grad
-            out["error"] = [e for k, e in ct.handle_of(ddp).state_dict().items() if k.startswith("error.")]
-        else:
+            # error feedback, and PowerSGD's warm-started Q
+            out["error"] = [e for k, e in ct.handle_of(ddp).state_dict().items() if k.startswith(("error.", "q_memory."))]
+        elif step > overflow:
             out["after"].append(grad)
     return out
 

@@ -146,7 +146,8 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     addend = buffer;
   }
 
-  bool randomize = !options_.warm_start || !state.q_memory.defined();
+  const bool fresh_q = !options_.warm_start || !state.q_memory.defined();
+  bool randomize = fresh_q;
   if (randomize) {
     state.q_memory = at::empty({plan.q_numel()}, buffer.options());
   }
@@ -155,6 +156,9 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   }
   if (randomize) {
     draw_q(state, buffer.scalar_type());
+  }
+  if (fresh_q && options_.warm_start) {
+    state.q_start = state.q_memory.clone();
   }
   // P and the uncompressed rest share one buffer and one allreduce (torch sends them apart;
   // a sum is a sum): one collective fewer per bucket.
@@ -184,6 +188,15 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     low_rank_decompress_(kept->p_memory, reduced_q, rest, n, buffer, error, norms, kept->plan);
     if (sample) {
       self->record_sample(sampled_iteration, norms);
+    }
+    // An Inf or NaN gradient made this step's output NaN on every rank (a loss scaler skips
+    // it); the error buffer and the warm-started Q would keep it for good: the error keeps none
+    // of it and Q starts again from where it started (the same on every rank).
+    if (error_feedback) {
+      kept->error.nan_to_num_(0.0, 0.0, 0.0);
+    }
+    if (warm_start) {
+      kept->q_memory.copy_(at::where(at::isfinite(kept->q_memory).all(), kept->q_memory, kept->q_start));
     }
     if (!warm_start) {
       kept->p_memory = at::Tensor();

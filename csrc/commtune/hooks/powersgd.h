@@ -61,6 +61,7 @@ class PowerSgdHook : public Hook {
     at::Tensor error;  // error feedback: what compression left out last time
     at::Tensor p_memory;
     at::Tensor q_memory;
+    at::Tensor q_start;  // warm start: the Q it started from, to start again after an overflow
     std::vector<Slot> layout;
     std::vector<const c10::TensorImpl*> parameters;  // the bucket's parameters, in order
     int64_t numel = 0;  // of the bucket
