@@ -31,6 +31,9 @@ Hook::Launch RandomKHook::communicate(c10d::GradBucket& bucket) {
   }
   const at::Tensor x = options_.error_feedback ? add_to_error(bucket) : buffer;
   at::Tensor values = x.index_select(0, positions);
+  // An Inf or NaN the draw missed still reaches every rank, for a loss scaler to skip the step:
+  // the first value sent becomes NaN (no host sync, no byte more on the wire).
+  values.narrow(0, 0, 1).add_(at::where(at::isfinite(x).all(), 0.0, std::nan("")));
   if (options_.error_feedback) {
     keep_finite(x.index_fill_(0, positions, 0));  // sent in full
   }
