@@ -201,7 +201,7 @@ def test_inf_and_nan_make_their_chunk_not_finite_and_leave_no_error(device, code
     numel, ranks, chunk = 4096, 2, 1024
     src = torch.randn(numel, generator=torch.Generator().manual_seed(5))
     src[5], src[2 * chunk + 7] = float("inf"), float("nan")
-    packed, error, piece, decoded = (t.cpu() for t in round_trip(src.to(device), ranks, chunk, codes=codes)[:4])
+    _, error, _, decoded = (t.cpu() for t in round_trip(src.to(device), ranks, chunk, codes=codes)[:4])
     bad = torch.zeros(numel, dtype=torch.bool)
     bad[:chunk] = bad[2 * chunk:3 * chunk] = True
     assert not torch.isfinite(decoded[bad]).any()

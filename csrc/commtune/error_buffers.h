@@ -43,6 +43,11 @@ class ErrorBuffers {
   std::unordered_map<int64_t, at::Tensor> kept_;
 };
 
+// Keeps no Inf or NaN in an error buffer (they become 0; what was sent carries the overflow to
+// every rank, for a loss scaler to skip the step): else every later step would send them
+// again. One pass over the buffer. PowerSGD's error buffer too.
+inline void keep_finite(const at::Tensor& error) { error.nan_to_num_(0.0, 0.0, 0.0); }
+
 // Base of the hooks that send a lossy encoding with error feedback: the buffers, kept in
 // state_dict per parameter.
 class ErrorFeedbackHook : public Hook {
@@ -60,10 +65,6 @@ class ErrorFeedbackHook : public Hook {
   void check_ratio(double ratio) const {
     TORCH_CHECK(ratio > 0 && ratio <= 1, "commtune.", name(), ": ratio must be in (0, 1], got ", std::to_string(ratio));
   }
-  // Keeps no Inf or NaN in an error buffer (they become 0; the values that were sent carry the
-  // overflow to every rank, if it was picked, for a loss scaler to skip the step): else every
-  // later step would send them again. One pass over the buffer.
-  static void keep_finite(const at::Tensor& error) { error.nan_to_num_(0.0, 0.0, 0.0); }
   // The bucket's error buffer after adding the bucket to it: what is to be sent this time.
   at::Tensor add_to_error(c10d::GradBucket& bucket) {
     at::Tensor& error = errors_.of(bucket, [this](const at::Tensor& p) { return parameter_index(p); });

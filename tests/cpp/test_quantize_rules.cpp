@@ -71,10 +71,6 @@ TEST(QuantizeRules, TheReducesProductAndSumAreRoundedOnce) {
   }
 }
 
-} // namespace
-
-namespace {
-
 // A chunk's absmax keeps a NaN wherever it comes (std::max and fmaxf drop it), and Inf.
 TEST(QuantizeRules, TheAbsmaxKeepsNanAndInf) {
   const float nan = std::nanf(""), inf = INFINITY;

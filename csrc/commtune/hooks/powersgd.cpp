@@ -1,5 +1,7 @@
 #include <commtune/hooks/powersgd.h>
 
+#include <commtune/error_buffers.h>
+
 #include <commtune/kernels/low_rank.h>
 
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -193,7 +195,7 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     // it); the error buffer and the warm-started Q would keep it for good: the error keeps none
     // of it and Q starts again from where it started (the same on every rank).
     if (error_feedback) {
-      kept->error.nan_to_num_(0.0, 0.0, 0.0);
+      keep_finite(kept->error);
     }
     if (warm_start) {
       kept->q_memory.copy_(at::where(at::isfinite(kept->q_memory).all(), kept->q_memory, kept->q_start));

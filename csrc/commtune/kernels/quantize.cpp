@@ -120,9 +120,10 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
       float scale_sum = 0.0f;
       bool finite = true;
       for (int64_t r = 0; r < layout.ranks; ++r) {
-        add_decoded_chunk(values.data(), layout.codes(in, r, c), layout.chunk, *layout.scale(in, r, c), layout.kind);
-        scale_sum = quant::add(scale_sum, *layout.scale(in, r, c));
-        finite = finite && quant::finite_scale(*layout.scale(in, r, c));
+        const float scale = *layout.scale(in, r, c);
+        add_decoded_chunk(values.data(), layout.codes(in, r, c), layout.chunk, scale, layout.kind);
+        scale_sum = quant::add(scale_sum, scale);
+        finite = finite && quant::finite_scale(scale);
       }
       for (int64_t j = 0; j < layout.chunk; ++j) {
         values[j] = quant::div(quant::finish_sum(values[j], scale_sum, layout.kind), static_cast<float>(divisor));
