@@ -10,10 +10,42 @@ import shutil
 
 import torch
 from setuptools import find_packages, setup
-from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc", "commtune")
+
+
+def settle_cuda_home():
+    # Without CUDA_HOME, torch takes the folder above `nvcc`. Where nvcc is a wrapper script
+    # (/usr/local/bin/nvcc on our CPU machines) that folder holds no CUDA and the link fails
+    # on -lcudart; take /usr/local/cuda then, as torch does when it finds no nvcc at all.
+    if torch.version.cuda is None or os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None or os.path.exists(os.path.join(os.path.dirname(nvcc), "..", "include", "cuda_runtime.h")):
+        return
+    if os.path.exists("/usr/local/cuda/include/cuda_runtime.h"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+        print(f"commtune: CUDA_HOME=/usr/local/cuda (nothing of CUDA beside {nvcc})")
+
+
+settle_cuda_home()
+from torch.utils import cpp_extension  # noqa: E402 - reads CUDA_HOME once, at import
+
+
+def math_library_headers():
+    """Flags that find cuSPARSE's, cuBLAS's and cuSOLVER's headers (which torch's CUDA headers
+    include) in torch's own nvidia-* wheels when the CUDA toolkit has only the compiler.
+    After the toolkit's own folders (-idirafter), so that they never shadow its runtime headers."""
+    if os.path.exists(os.path.join(cpp_extension.CUDA_HOME or "", "include", "cusparse.h")):
+        return [], []
+    site_packages = os.path.dirname(os.path.dirname(torch.__file__))
+    found = sorted(glob.glob(os.path.join(site_packages, "nvidia", "**", "include", "cusparse.h"), recursive=True))
+    if not found:
+        return [], []
+    folder = os.path.dirname(found[0])
+    print(f"commtune: cusparse.h etc. from {folder} (the CUDA toolkit has none)")
+    return ["-idirafter", folder], [f"-Xcompiler=-idirafter,{folder}"]
 
 
 def want_cuda():
@@ -45,6 +77,9 @@ def extension():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         sources += sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))
         macros.append(("COMMTUNE_WITH_CUDA", None))
+        cxx_headers, nvcc_headers = math_library_headers()
+        cxx += cxx_headers
+        nvcc += nvcc_headers
         ext_cls = cpp_extension.CUDAExtension
     else:
         ext_cls = cpp_extension.CppExtension

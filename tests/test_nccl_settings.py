@@ -101,7 +101,8 @@ def test_apply_refuses_once_a_nccl_group_exists(monkeypatch):
 
 def test_from_env_reads_and_maps_deprecated_names():
     env = {"NCCL_ALGO": "Ring", "NCCL_MAX_NCHANNELS": "16", "NCCL_P2P_LEVEL": "3", "NCCL_BUFFSIZE": "8388608"}
-    with pytest.warns(DeprecationWarning, match="NCCL_MAX_NCHANNELS"):
+    with pytest.warns(DeprecationWarning, match="NCCL_MAX_NCHANNELS"), \
+         pytest.warns(UserWarning, match="integer levels are discouraged"):
         s = Settings.from_env(env)
     assert (s.algo, s.max_ctas, s.p2p_level, s.buffsize) == ("Ring", 16, 3, "8388608")
     with pytest.raises(ValueError, match="NCCL_NTHREADS must be an integer"):

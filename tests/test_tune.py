@@ -40,9 +40,9 @@ def test_a_failed_candidate_is_never_chosen(tmp_path, monkeypatch):
         return {s: (1.0 if candidate == "default" else 2.0) for s in sizes}
 
     monkeypatch.setattr(tune, "measure", fake_measure)
-    profile = tune.tune([1024, 4096], {"default": Settings(), "tree": Settings(algo="tree"),
-                                       "ring": Settings(algo="ring")}, out=str(tmp_path / "p.json"),
-                        say=lambda *a: None)
+    candidates = {"default": Settings(), "tree": Settings(algo="tree"), "ring": Settings(algo="ring")}
+    with pytest.warns(UserWarning, match="Tree is a chain"):  # the profile's settings are checked
+        profile = tune.tune([1024, 4096], candidates, out=str(tmp_path / "p.json"), say=lambda *a: None)
     assert "tree" in profile["failed"] and "tree" not in profile["times_us"]
     assert profile["chosen"] == "default" and profile["gain_vs_default"]["ring"] == pytest.approx(-0.5)
     monkeypatch.setattr(tune, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("down")))
