@@ -213,3 +213,54 @@ def test_resume_from_hook_state_and_reset_stats(hook):
         assert before["iterations"] == steps - split
         assert after["iterations"] == 0 and after["calls"] == 0 and after["buckets"] == []
         assert later["iterations"] == 1 and later["bytes_in"] == before["bytes_in"] // (steps - split)
+
+
+# Hooks whose state_dict holds per-parameter entries (error feedback, Q memory, optimizer state).
+STATEFUL = {
+    "quantize": lambda ct: ct.hooks.Quantize(min_size=0),
+    "signsgd": lambda ct: ct.hooks.SignSGD(min_size=0),
+    "topk": lambda ct: ct.hooks.TopK(ratio=0.1, min_size=0),
+    "randomk": lambda ct: ct.hooks.RandomK(ratio=0.1, min_size=0),
+    "powersgd": lambda ct: ct.hooks.PowerSGD(rank=2, start_iter=2),
+    "with_optimizer": lambda ct: ct.hooks.WithOptimizer(ct.hooks.AllReduce(), "sgd", lr=0.1, momentum=0.9),
+}
+
+
+def _load_from_other_models(rank, world_size, hook):
+    import commtune as ct
+
+    def trained(widths):
+        torch.manual_seed(0)
+        layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
+        ddp = ct.wrap(nn.Sequential(*layers), hook=STATEFUL[hook](ct))
+        for _ in range(3):
+            ddp.zero_grad()
+            ddp(torch.randn(4, widths[0])).sum().backward()
+        return ct.handle_of(ddp)
+
+    target = trained([64, 300, 10])
+    before = target.state_dict()
+    out = {"entries": sorted(before)}
+    for name, widths in (("narrower", [32, 300, 10]), ("deeper", [64, 300, 10, 10])):
+        try:
+            target.load_state_dict(trained(widths).state_dict())
+            out[name] = "accepted"
+        except RuntimeError as e:
+            out[name] = str(e)
+    after = target.state_dict()
+    out["unchanged"] = sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
+    return out
+
+
+@pytest.mark.parametrize("hook", sorted(STATEFUL))
+def test_a_state_dict_from_another_model_is_refused_and_changes_nothing(hook):
+    # Before, Quantize, SignSGD, TopK and RandomK dropped an error buffer of another size
+    # silently, and PowerSGD failed at its next bucket with ATen's size mismatch.
+    for r in distributed.run(_load_from_other_models, 2, hook):
+        assert any(k.split(".")[0] in ("error", "q_memory", "optim") for k in r["entries"])
+        # the first layer's weight: 300 x 32 saved, 300 x 64 here
+        assert "holds 9600 values, but parameter 0 of this model [300, 64] has 19200" in r["narrower"]
+        assert "saved from another model" in r["narrower"]
+        # a third layer: entries of parameters 4 and 5, which this model does not have
+        assert "belongs to parameter 4, but this model has 4 parameters" in r["deeper"]
+        assert r["unchanged"]

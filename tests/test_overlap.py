@@ -201,3 +201,35 @@ def test_bad_values_are_refused():
             config.validate()
     with pytest.raises(ValueError, match="steps"):
         next(ct.accumulate(None, 0))
+
+
+def wrapped_state_run(rank, world_size, inner):
+    """The state_dict of WithOptimizer around a hook with state of its own, loaded into a fresh
+    DDP, and that DDP's state_dict right after."""
+    import commtune as ct
+
+    inners = {"PowerSGD": INNER["PowerSGD"], "Quantize": lambda ct: ct.hooks.Quantize(chunk=64, min_size=0)}
+
+    def build():
+        hook = ct.hooks.WithOptimizer(inners[inner](ct), "sgd", lr=0.1, momentum=0.9)
+        return ct.wrap(make_model(), hook=hook, bucket_cap_mb=BUCKET_CAP_MB)
+
+    first = build()
+    for step in range(3):
+        first.zero_grad()
+        loss_fn(first, *batch(rank, step)).backward()
+    saved = ct.handle_of(first).state_dict()
+    second = build()
+    ct.handle_of(second).load_state_dict(saved)
+    return saved, ct.handle_of(second).state_dict()
+
+
+@pytest.mark.parametrize("inner", ["PowerSGD", "Quantize"])
+def test_with_optimizer_round_trips_the_inner_hooks_state(inner):
+    # Before, the inner hook was handed the optimizer's "optim.*" entries too and refused them.
+    for saved, loaded in distributed.run(wrapped_state_run, 2, inner):
+        kinds = {key.split(".")[0] for key in saved}
+        assert {"optim", "error", "iteration"} <= kinds
+        assert sorted(saved) == sorted(loaded)
+        for key in saved:
+            assert torch.equal(saved[key], loaded[key]), key

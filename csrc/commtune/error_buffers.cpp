@@ -19,7 +19,7 @@ at::Tensor& ErrorBuffers::of(c10d::GradBucket& bucket, const ParameterIndex& ind
     b.parameters.push_back(params[k].unsafeGetTensorImpl());
     b.slots.push_back(slot);
     auto it = kept_.find(slot.parameter);
-    if (it != kept_.end() && it->second.numel() == slot.numel) {
+    if (it != kept_.end()) {  // load() checked its size
       b.error.narrow(0, slot.offset, slot.numel).copy_(it->second.view(-1));
       kept_.erase(it);
     }
@@ -44,17 +44,17 @@ void ErrorBuffers::save(std::map<std::string, at::Tensor>& state) const {
   }
 }
 
-void ErrorBuffers::load(const std::map<std::string, at::Tensor>& state, const std::string& hook) {
-  const std::string prefix = "error.";
+void ErrorBuffers::load(const std::map<std::string, at::Tensor>& state, const std::string& hook,
+                        const EntryIndex& index_of) {
+  std::unordered_map<int64_t, at::Tensor> loaded;
   for (const auto& [key, value] : state) {
-    TORCH_CHECK(key == "iteration" || key.rfind(prefix, 0) == 0, "commtune.", hook, ": unknown state_dict entry '",
-                key, "'");
+    if (key == "iteration") continue;
+    TORCH_CHECK(key.rfind("error.", 0) == 0, "commtune.", hook, ": unknown state_dict entry '", key, "'");
+    loaded[index_of(key, value)] = value.clone();
   }
+  // Only once every entry has passed: a refused state_dict leaves the hook as it was.
   buckets_.clear();
-  kept_.clear();
-  for (const auto& [key, value] : state) {
-    if (key.rfind(prefix, 0) == 0) kept_[std::stoll(key.substr(prefix.size()))] = value.clone();
-  }
+  kept_ = std::move(loaded);
 }
 
 } // namespace commtune

@@ -18,13 +18,15 @@ namespace commtune {
 class ErrorBuffers {
  public:
   using ParameterIndex = std::function<int64_t(const at::Tensor&)>;
+  // The parameter an "error.<index>" entry belongs to, checked against the model.
+  using EntryIndex = std::function<int64_t(const std::string& key, const at::Tensor& value)>;
 
   // The bucket's buffer: zeros at first, or what was kept for its parameters.
   at::Tensor& of(c10d::GradBucket& bucket, const ParameterIndex& index_of);
   // Entries "error.<parameter index>".
   void save(std::map<std::string, at::Tensor>& state) const;
   // Takes the "error.*" entries; refuses any other but "iteration" (in `hook`'s name).
-  void load(const std::map<std::string, at::Tensor>& state, const std::string& hook);
+  void load(const std::map<std::string, at::Tensor>& state, const std::string& hook, const EntryIndex& index_of);
 
  private:
   struct Slot {
@@ -54,7 +56,11 @@ class ErrorFeedbackHook : public Hook {
  protected:
   using Hook::Hook;
   void save_state(StateDict& state) const override { errors_.save(state); }
-  void load_state(const StateDict& state) override { errors_.load(state, name()); }
+  void load_state(const StateDict& state) override {
+    errors_.load(state, name(), [this](const std::string& key, const at::Tensor& value) {
+      return parameter_of_entry(key, "error.", value.numel());
+    });
+  }
   // What buckets under `min_size` bytes get: a plain mean allreduce (not worth compressing).
   Launch plain_mean(at::Tensor& buffer) const {
     return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};

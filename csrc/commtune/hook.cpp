@@ -7,6 +7,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <charconv>
 #include <chrono>
 #include <optional>
 
@@ -147,11 +148,13 @@ void Hook::load_state_dict(const StateDict& state) {
   TORCH_CHECK(it != state.end(), "commtune.", name_, ": state_dict has no 'iteration' entry");
   TORCH_CHECK(it->second.numel() == 1, "commtune.", name_,
               ": state_dict['iteration'] must hold one number, got shape ", shape_of(it->second));
-  iteration_ = it->second.item<int64_t>();
-  load_state(state);
+  const int64_t iteration = it->second.item<int64_t>();
+  load_state(state);  // may refuse the state_dict: then nothing changes
+  iteration_ = iteration;
 }
 
 void Hook::set_parameters(const std::vector<at::Tensor>& parameters) {
+  parameters_ = parameters;
   parameter_index_.clear();
   for (size_t i = 0; i < parameters.size(); ++i) {
     parameter_index_[parameters[i].unsafeGetTensorImpl()] = static_cast<int64_t>(i);
@@ -163,6 +166,27 @@ int64_t Hook::parameter_index(const at::Tensor& parameter) const {
   TORCH_CHECK(it != parameter_index_.end(), "commtune.", name_,
               ": a bucket holds a parameter that is not in the module's parameters()");
   return it->second;
+}
+
+int64_t Hook::parameter_of_entry(const std::string& key, const std::string& prefix, int64_t numel) const {
+  int64_t index = -1;
+  bool well_formed = key.rfind(prefix, 0) == 0;
+  if (well_formed) {
+    const char* end = key.data() + key.size();
+    const auto [after, error] = std::from_chars(key.data() + prefix.size(), end, index);
+    well_formed = error == std::errc() && (after == end || *after == '.');
+  }
+  TORCH_CHECK(well_formed, "commtune.", name_, ": state_dict entry '", key, "' should be '", prefix,
+              "<parameter index>'");
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(parameters_.size()), "commtune.", name_, ": state_dict entry '",
+              key, "' belongs to parameter ", std::to_string(index), ", but this model has ",
+              std::to_string(parameters_.size()), " parameters: the state_dict was saved from another model");
+  const at::Tensor& parameter = parameters_[static_cast<size_t>(index)];
+  TORCH_CHECK(numel < 0 || numel == parameter.numel(), "commtune.", name_, ": state_dict entry '", key, "' holds ",
+              std::to_string(numel), " values, but parameter ", std::to_string(index), " of this model ",
+              shape_of(parameter), " has ", std::to_string(parameter.numel()),
+              ": the state_dict was saved from another model");
+  return index;
 }
 
 bool Hook::backend_is_nccl(const at::Tensor& tensor) const {

@@ -78,6 +78,11 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
 
   // Index of a bucket's parameter in set_parameters' list.
   int64_t parameter_index(const at::Tensor& parameter) const;
+  // The parameter a per-parameter state_dict entry belongs to: the number that follows `prefix`
+  // in `key` ("error.3", "optim.3.exp_avg"), checked against this model, which must have that
+  // parameter, with `numel` values where `numel` >= 0. Else the state_dict came from another
+  // model, and loading it would silently drop or misplace the state.
+  int64_t parameter_of_entry(const std::string& key, const std::string& prefix, int64_t numel) const;
 
   friend class WrapperHook;  // runs an inner hook's communicate() and state
 
@@ -106,6 +111,7 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   std::atomic<int64_t> iteration_{0};
   std::atomic<double> input_scale_{1.0};
   std::unordered_map<const c10::TensorImpl*, int64_t> parameter_index_;
+  std::vector<at::Tensor> parameters_;  // set_parameters' list, for parameter_of_entry
   std::unique_ptr<LaunchThread> launcher_;
   std::optional<c10::Stream> launch_stream_;  // the launch thread's stream, per hook
 };

@@ -316,21 +316,23 @@ void PowerSgdHook::save_state(StateDict& state) const {
 void PowerSgdHook::load_state(const StateDict& state) {
   auto words = state.find("rng_words");
   TORCH_CHECK(words != state.end(), "commtune.PowerSGD: state_dict has no 'rng_words' entry");
+  std::unordered_map<int64_t, Restored> loaded;
+  for (const auto& [key, value] : state) {
+    if (key == "iteration" || key == "rng_words") continue;
+    if (key.rfind("error.", 0) == 0) {
+      loaded[parameter_of_entry(key, "error.", value.numel())].error = value.clone();
+    } else if (key.rfind("q_memory.", 0) == 0) {  // Q's size follows the rank, checked when placed
+      loaded[parameter_of_entry(key, "q_memory.", -1)].q = value.clone();
+    } else {
+      TORCH_CHECK(false, "commtune.PowerSGD: unknown state_dict entry '", key, "'");
+    }
+  }
+  // Only once every entry has passed: a refused state_dict leaves the hook as it was.
   engine_.seed(static_cast<uint32_t>(options_.seed));
   engine_words_ = words->second.item<int64_t>();
   engine_.discard(static_cast<unsigned long long>(engine_words_));
   buckets_.clear();
-  restored_.clear();
-  for (const auto& [key, value] : state) {
-    const auto dot = key.find('.');
-    if (key == "iteration" || key == "rng_words") continue;
-    TORCH_CHECK(dot != std::string::npos, "commtune.PowerSGD: unknown state_dict entry '", key, "'");
-    const std::string kind = key.substr(0, dot);
-    const int64_t parameter = std::stoll(key.substr(dot + 1));
-    if (kind == "error") restored_[parameter].error = value.clone();
-    else if (kind == "q_memory") restored_[parameter].q = value.clone();
-    else TORCH_CHECK(false, "commtune.PowerSGD: unknown state_dict entry '", key, "'");
-  }
+  restored_ = std::move(loaded);
 }
 
 } // namespace commtune

@@ -113,7 +113,11 @@ void OptimizerHook::save_state(StateDict& state) const {
 }
 
 void OptimizerHook::load_state(const StateDict& state) {
-  WrapperHook::load_state(state);
+  StateDict inner;  // the "optim.*" entries are this hook's; the inner hook refuses entries not its own
+  for (const auto& [key, value] : state) {
+    if (key.rfind("optim.", 0) != 0) inner.emplace(key, value);
+  }
+  WrapperHook::load_state(inner);
   load_optimizer_state(state);
 }
 
@@ -125,9 +129,8 @@ void OptimizerHook::load_optimizer_state(const StateDict& state) {
     if (key.rfind("optim.", 0) != 0) continue;
     const size_t dot = key.find('.', 6);
     TORCH_CHECK(dot != std::string::npos, "commtune.WithOptimizer: malformed state_dict key '", key, "'");
-    const int64_t index = std::stoll(key.substr(6, dot - 6));
     const std::string name = key.substr(dot + 1);
-    ParameterState& s = loaded[index];
+    ParameterState& s = loaded[parameter_of_entry(key, "optim.", name == "step" ? -1 : value.numel())];
     // Copies: the caller's tensors stay theirs.
     if (name == "step") {
       s.step = value.to(at::kFloat).clone();
