@@ -215,6 +215,41 @@ def test_resume_from_hook_state_and_reset_stats(hook):
         assert later["iterations"] == 1 and later["bytes_in"] == before["bytes_in"] // (steps - split)
 
 
+def _resume_with_another_rank(rank, world_size):
+    import warnings
+
+    import commtune as ct
+    from models import batch, loss_fn, make_model
+
+    def trained(approximation_rank, state=None, steps=3):
+        torch.manual_seed(0)
+        ddp = ct.wrap(make_model(), hook=ct.hooks.PowerSGD(rank=approximation_rank, start_iter=2))
+        if state is not None:
+            ct.handle_of(ddp).load_state_dict(state)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                ddp.zero_grad()
+                loss_fn(ddp, *batch(rank, step)).backward()
+        return ct.handle_of(ddp).state_dict(), [str(w.message) for w in caught], ddp
+
+    saved, _, _ = trained(2)
+    state, messages, ddp = trained(4, saved, steps=1)
+    # (a matrix compressed at rank 2 may not be worth it at rank 4, and then has no Q)
+    q_sizes = {k: (saved[k].numel(), state[k].numel()) for k in saved if k.startswith("q_memory.") and k in state}
+    return {"messages": messages, "q_sizes": q_sizes,
+            "finite": all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())}
+
+
+def test_powersgd_resumed_with_another_rank_warns_and_starts_q_afresh():
+    for r in distributed.run(_resume_with_another_rank, 2):
+        warned = [m for m in r["messages"] if "was it saved with another rank" in m]
+        assert warned, r["messages"]
+        assert "this hook's (rank 4)" in warned[0] and "fresh Q" in warned[0]
+        assert r["q_sizes"] and all(new == 2 * old for old, new in r["q_sizes"].values())
+        assert r["finite"]
+
+
 # Hooks whose state_dict holds per-parameter entries (error feedback, Q memory, optimizer state).
 STATEFUL = {
     "quantize": lambda ct: ct.hooks.Quantize(min_size=0),

@@ -284,8 +284,21 @@ bool PowerSgdHook::restore_q(BucketState& state) {
   for (const Slot& slot : state.layout) {
     if (slot.q_offset < 0) continue;
     auto it = restored_.find(slot.parameter);
-    if (it == restored_.end() || !it->second.q.defined() || it->second.q.numel() != slot.q_numel) {
+    if (it == restored_.end() || !it->second.q.defined()) {
       return false;  // not every compressed parameter has its Q: start this bucket afresh
+    }
+    if (it->second.q.numel() != slot.q_numel) {
+      // Q's size is the parameter's columns times the approximation rank: most likely the
+      // state_dict was saved with another rank. Starting afresh is sound; say so.
+      TORCH_WARN("commtune.PowerSGD: the loaded state_dict's Q of parameter ", std::to_string(slot.parameter),
+                 " holds ", std::to_string(it->second.q.numel()), " values, but this hook's (rank ",
+                 std::to_string(options_.rank), ") has ", std::to_string(slot.q_numel),
+                 ": was it saved with another rank? Its bucket starts from a fresh Q; the error feedback is kept");
+      for (const Slot& other : state.layout) {  // the bucket's loaded Qs are of no further use
+        auto stale = restored_.find(other.parameter);
+        if (stale != restored_.end()) stale->second.q = at::Tensor();
+      }
+      return false;
     }
   }
   for (const Slot& slot : state.layout) {
