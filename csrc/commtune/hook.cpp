@@ -6,6 +6,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/version.h>
 
 #include <charconv>
 #include <chrono>
@@ -199,6 +200,24 @@ bool Hook::backend_is_nccl(const at::Tensor& tensor) const {
 c10::intrusive_ptr<c10::ivalue::Future> Hook::allreduce_sum(at::Tensor& tensor) const {
   std::vector<at::Tensor> tensors{tensor};
   return process_group()->allreduce(tensors)->getFuture();
+}
+
+// torch 2.13 named these all_gather_single and all_to_all_single and deprecated the old names.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define COMMTUNE_ALL_GATHER_SINGLE all_gather_single
+#define COMMTUNE_ALL_TO_ALL_SINGLE all_to_all_single
+#else
+#define COMMTUNE_ALL_GATHER_SINGLE _allgather_base
+#define COMMTUNE_ALL_TO_ALL_SINGLE alltoall_base
+#endif
+
+c10::intrusive_ptr<c10::ivalue::Future> Hook::all_gather_into(at::Tensor& gathered, at::Tensor& mine) const {
+  return process_group()->COMMTUNE_ALL_GATHER_SINGLE(gathered, mine)->getFuture();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Hook::all_to_all_equal(at::Tensor& received, at::Tensor& sent) const {
+  std::vector<int64_t> equal_splits;  // empty: equal parts
+  return process_group()->COMMTUNE_ALL_TO_ALL_SINGLE(received, sent, equal_splits, equal_splits)->getFuture();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Hook::allreduce_mean(at::Tensor& tensor) const {

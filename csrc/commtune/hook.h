@@ -91,6 +91,10 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
 
   // Sum-allreduces `tensor` in place.
   c10::intrusive_ptr<c10::ivalue::Future> allreduce_sum(at::Tensor& tensor) const;
+  // gathered = every rank's `mine`, in rank order (world_size() times its size).
+  c10::intrusive_ptr<c10::ivalue::Future> all_gather_into(at::Tensor& gathered, at::Tensor& mine) const;
+  // received = the world_size() equal parts of every rank's `sent` meant for this one.
+  c10::intrusive_ptr<c10::ivalue::Future> all_to_all_equal(at::Tensor& received, at::Tensor& sent) const;
   // Mean-allreduces `tensor` in place. On NCCL the 1/world_size factor rides in
   // the collective (PREMUL_SUM); elsewhere one scale pass runs first.
   c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(at::Tensor& tensor) const;

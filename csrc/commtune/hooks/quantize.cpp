@@ -37,14 +37,13 @@ Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
   quantize_shards_(error.defined() ? error : buffer, error, packed, layout, draws(bucket, 0));
 
   at::Tensor received = at::empty_like(packed);
-  std::vector<int64_t> equal_splits;  // empty: n equal parts
-  auto sent = process_group()->alltoall_base(received, packed, equal_splits, equal_splits)->getFuture();
+  auto sent = all_to_all_equal(received, packed);
   at::Tensor gathered = at::empty_like(packed);
   c10::intrusive_ptr<c10::ivalue::Future> future;
   after_on_side_stream(buffer, sent, [&] {
     at::Tensor mine = at::empty({layout.piece_bytes()}, bytes);
     reduce_shard_(received, mine, layout, n, draws(bucket, 1));
-    future = process_group()->_allgather_base(gathered, mine)->getFuture();
+    future = all_gather_into(gathered, mine);
   });
   auto finish = [buffer, gathered, received, layout](const at::Tensor&) mutable {
     dequantize_shards_(gathered, buffer, layout);

@@ -24,7 +24,7 @@ Hook::Launch SignSgdHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor piece = at::empty({layout.piece_bytes()}, bytes);
   sign_encode_(error.defined() ? error : buffer, error, piece, layout);
   at::Tensor gathered = at::empty({world_size() * layout.piece_bytes()}, bytes);
-  auto future = process_group()->_allgather_base(gathered, piece)->getFuture();
+  auto future = all_gather_into(gathered, piece);
   const int64_t n = world_size();
   auto finish = [buffer, gathered, n, layout](const at::Tensor&) mutable {
     sign_decode_mean_(gathered, buffer, n, layout);

@@ -59,7 +59,7 @@ Hook::Launch TopKHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor piece = pick(x, k);
   const int64_t n = world_size();
   at::Tensor gathered = at::empty({n * 2 * k}, piece.options());
-  auto future = process_group()->_allgather_base(gathered, piece)->getFuture();
+  auto future = all_gather_into(gathered, piece);
   auto finish = [buffer, gathered, n, k](const at::Tensor&) mutable {
     at::Tensor sum = at::zeros({buffer.numel()}, buffer.options().dtype(at::kFloat));
     // One rank at a time, in a fixed order: within a rank's piece only unused slots (0 at index 0) repeat.
