@@ -7,20 +7,13 @@
 #   bash benchmarks/gpu_check.sh study      # scaling study's 1-GPU rows, optimizer overlap
 #   bash benchmarks/gpu_check.sh compression  # build, CUDA tests, compression kernels (no hook overhead)
 #   bash benchmarks/gpu_check.sh profile    # Nsight Compute on the compression kernels below the bar
-#   bash benchmarks/gpu_check.sh bulk       # the bulk-copy reduce (a patch, not on main): tests, A/B
 # Writes at most 8 files per stage to $OUT (or benchmarks/results/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
-stage=${1:?usage: gpu_check.sh tests|powersgd|study|compression|profile|bulk}
+stage=${1:?usage: gpu_check.sh tests|powersgd|study|compression|profile}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-if [ "$stage" = bulk ]; then
-  # The seventeenth session's reduce with bulk copies (NOTES.md), applied to this copy of the
-  # tree before the build; COMMTUNE_REDUCE picks its kernel (warp, bulk2, bulk3) for the A/B.
-  patch -p1 --forward < benchmarks/results/reduce_bulk_session17.patch > /dev/null || { echo "the patch does not apply"; exit 1; }
-  rm -rf build python/commtune/_C*.so
-fi
 if ! python -c "import commtune._C" 2>/dev/null; then
   MAX_JOBS=${MAX_JOBS:-16} python -m pip install -v --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
     || { grep -E "error" -A5 "$out/build.log" | head -60; exit 1; }
@@ -64,18 +57,7 @@ case "$stage" in
     grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issued Warp" \
       "$out/ncu_compression.txt" | head -80
     ;;
-  bulk)
-    timeout 200 python -m pytest -q -rs -m needs_cuda tests/test_quantize.py > "$out/pytest_quantize.log" 2>&1
-    tail -2 "$out/pytest_quantize.log"; grep -E "^(FAILED|ERROR)|Error:" "$out/pytest_quantize.log" | head -8
-    i=0
-    for how in bulk2 warp bulk3 bulk2 warp; do
-      i=$((i + 1))
-      echo "== COMMTUNE_REDUCE=$how"
-      COMMTUNE_REDUCE=$how timeout 100 python benchmarks/compression.py --out "$out/compression_${i}_$how.json" 2>&1 \
-        | grep -E " reduce |Error" | grep -v -E "PASS|FAIL"
-    done
-    ;;
   *)
-    echo "unknown stage: $stage (tests, powersgd, study, compression, profile or bulk)"; exit 2
+    echo "unknown stage: $stage (tests, powersgd, study, compression or profile)"; exit 2
     ;;
 esac
