@@ -1,4 +1,4 @@
-"""Command line: `python -m commtune demo [--iterations N] [--ranks N]`, `python -m commtune bench allreduce ...`,
+"""Command line: `python -m commtune demo [--iterations N] [--warmup N] [--ranks N]`, `python -m commtune bench allreduce ...`,
 `python -m commtune bench plan ...`, `python -m commtune tune nccl ...`."""
 import argparse
 import sys
@@ -10,6 +10,8 @@ def main(argv=None):
     demo = sub.add_parser("demo", help="train a small model with each hook and print the counters "
                                        "(GPUs + NCCL when present, else 2 CPU ranks on gloo)")
     demo.add_argument("--iterations", type=int, default=20, help="iterations per hook (default 20)")
+    demo.add_argument("--warmup", type=int, default=3,
+                      help="iterations per hook before the timing and the counters start (default 3)")
     demo.add_argument("--ranks", type=int, default=None,
                       help="number of ranks (default: every GPU, or 2 CPU ranks)")
     bench = sub.add_parser("bench", help="benchmarks: `bench allreduce|plan|scaling [options]` (see --help there)")
@@ -32,11 +34,13 @@ def main(argv=None):
     if args.command == "demo":
         if args.iterations < 1:
             parser.error("--iterations must be at least 1")
+        if args.warmup < 0:
+            parser.error("--warmup must be at least 0")
         if args.ranks is not None and args.ranks < 1:
             parser.error("--ranks must be at least 1")
         from . import demo as demo_mod
 
-        demo_mod.main(iterations=args.iterations, world_size=args.ranks)
+        demo_mod.main(iterations=args.iterations, world_size=args.ranks, warmup=args.warmup)
     return 0
 
 

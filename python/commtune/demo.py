@@ -34,12 +34,12 @@ def _configs():
                                                                           momentum=0.9))]
 
 
-def _train(rank, world_size, iterations):
+def _train(rank, world_size, iterations, warmup):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     ids = [device.index] if device.type == "cuda" else None
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"commtune demo: {world_size} ranks, backend {dist.get_backend()}, device {device.type}, "
-        f"{iterations} iterations per hook")
+        f"{iterations} iterations per hook, timed and counted after {warmup} warm-up iterations")
     # A learnable task: the label is the strongest of 10 fixed random patterns in the image.
     patterns = torch.randn(10, 3 * 16 * 16, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1 + rank)
@@ -51,24 +51,37 @@ def _train(rank, world_size, iterations):
             registration.wrap(model, hook=hook, device_ids=ids, bucket_cap_mb=1)
         opt = (OverlappedOptimizer(ddp) if isinstance(hook, hooks.WithOptimizer)
                else torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9))
+        handle = None if hook is None else registration.handle_of(ddp)
         losses = []
-        start = time.perf_counter()
-        for i in range(iterations):
+        # The warm-up's first iterations load kernels and allocate buckets (tens of ms on a GPU):
+        # left in, they would dominate 20 iterations' time and counters.
+        for i in range(warmup + iterations):
+            if i == warmup:
+                _synchronize(device)
+                if handle is not None:
+                    handle.reset_stats()
+                start = time.perf_counter()
             x, y = (t.to(device) for t in data[i % len(data)])
             opt.zero_grad()
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             opt.step()
             losses.append(loss.item())
+        _synchronize(device)
         ms = (time.perf_counter() - start) / iterations * 1e3
         say(f"\n[{n}/{len(_configs())}] {label}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {ms:.1f} ms/iteration")
-        if hook is not None:
-            stats = registration.handle_of(ddp).stats()
+        if handle is not None:
+            stats = handle.stats()
             say(format_table(stats))
             if "fused_buckets" in stats:
                 say(f"fused: {stats['fused_buckets']:.0f} small buckets sent in {stats['fused_sends']:.0f} fused sends")
-        dist.barrier()
+        dist.barrier(device_ids=ids)
 
 
-def main(iterations=20, world_size=None):
-    launch.run_ranks(_train, args=(iterations,), world_size=world_size)
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(iterations=20, world_size=None, warmup=3):
+    launch.run_ranks(_train, args=(iterations, warmup), world_size=world_size)
