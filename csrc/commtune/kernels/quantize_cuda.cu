@@ -175,15 +175,21 @@ __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int 
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = Map::start(lane, i);
     if (!kFull && j >= l.chunk) continue;
-    uint32_t random[4] = {quant::kHalf16, quant::kHalf16, quant::kHalf16, quant::kHalf16};
     const uint64_t point = lane_point + static_cast<uint64_t>(Map::offset(i) / 4) * quant::kGolden;
-    if (draws >= 0) quant::four_random_at(point, random);
     float level[4];
-    if (kKind != quant::Codes::e4m3 ||
-        !quant_words::store_normal_e4m3(v[i], inverse, random, draws < 0, codes, j, level)) {
-      int8_t q[4];
-      quant::encode_four_drawn(v[i], random, draws < 0, inverse, kKind, q, level);
-      quant_words::store_four<kKind>(codes, j, q, level);
+    if constexpr (kKind == quant::Codes::e4m3) {
+      uint32_t random[4] = {quant::kHalf16, quant::kHalf16, quant::kHalf16, quant::kHalf16};
+      if (draws >= 0) quant::four_random_at(point, random);
+      if (!quant_words::store_normal_e4m3(v[i], inverse, random, draws < 0, codes, j, level)) {
+        int8_t q[4];
+        quant::encode_four_drawn(v[i], random, draws < 0, inverse, kKind, q, level);
+        quant_words::store_e4m3_four(codes, j, q);
+      }
+    } else {
+      using quant_words::kNearestDraw;
+      uint32_t draw[4] = {kNearestDraw, kNearestDraw, kNearestDraw, kNearestDraw};
+      if (draws >= 0) quant_words::magic_draws(point, draw);
+      quant_words::store_int_four<kKind>(v[i], inverse, draw, codes, j, level);
     }
     if (error != nullptr) {
       store_error_four(error, static_cast<int64_t>(first_index) + j, l.numel, vector, v[i], level, scale);
@@ -257,12 +263,15 @@ __device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* s
     if (kSubnormal) {  // the bias times the scale, in the sums' unit
       bias_sum = quant_words::fma_subnormal(__uint_as_float(quant::bias_of(kKind)), scale[b], bias_sum);
     }
+    const quant_words::Int4InPlace in_place = quant_words::Int4InPlace::of(scale[b]);  // int4's only
 #pragma unroll
     for (int t = 0; t < Words::kPerLane; ++t) {
 #pragma unroll
       for (int k = 0; k < kCodes; ++k) {
         float& sum = v[t * Words::kGroups + k / 4][k % 4];
-        if constexpr (kSubnormal) {
+        if constexpr (kKind == quant::Codes::int4) {
+          sum = in_place.add(word[b][t], k, sum);
+        } else if constexpr (kSubnormal) {
           sum = quant_words::fma_subnormal(quant_words::stored_in_word<kKind>(word[b][t], k), scale[b], sum);
         } else {
           const float level = quant_words::level_in_word<kKind>(word[b][t], k, magic);

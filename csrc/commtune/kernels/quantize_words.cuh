@@ -135,6 +135,27 @@ __device__ __forceinline__ float stored_in_word(uint32_t word, int k) {
   return __uint_as_float(__byte_perm(stored, 0u, 0x4440u | byte));
 }
 
+// int4 codes read in place, for the reduce's sums: nibble k of a word (bits 4k..4k+3), masked
+// where it lies in the word's low half (k < 4) or in its high half moved down (k >= 4), is the
+// subnormal float stored * 2^(4 (k % 4) - 149). Times the scale over 2^(4 (k % 4)) it is
+// stored_in_word's term times the scale, exactly, so the sums keep their bits, for one mask a
+// code where stored_in_word takes a byte permute and a share of two masks and a shift. The scale
+// over 2^4, 2^8 or 2^12 is exact wherever it is normal; where it is flushed to 0 the scale is
+// below 2^-114, and stored_in_word's product (below 2^-259) rounds to nothing as well.
+struct Int4InPlace {
+  float over[4];  // the scale over 2^0, 2^4, 2^8, 2^12
+
+  __device__ static Int4InPlace of(float scale) {
+    return {{scale, quant::mul(scale, 0x1p-4f), quant::mul(scale, 0x1p-8f), quant::mul(scale, 0x1p-12f)}};
+  }
+  __device__ static float code(uint32_t word, int k) {
+    const uint32_t half = k < 4 ? word : word >> 16;
+    return __uint_as_float(half & (0xFu << (4 * (k % 4))));
+  }
+  // sum + code k of the word times the scale, one rounding (as fma_subnormal of stored_in_word)
+  __device__ float add(uint32_t word, int k, float sum) const { return fma_subnormal(code(word, k), over[k % 4], sum); }
+};
+
 // The factor level_in_word's levels take to be decoded: the chunk's scale (e4m3: times
 // kE4m3HalfFactor, exactly, since scale <= FLT_MAX / 448 cannot overflow).
 template <Codes kKind>
@@ -147,26 +168,62 @@ __device__ __forceinline__ uint32_t low_bytes(uint32_t a, uint32_t b, uint32_t c
   return __byte_perm(__byte_perm(a, b, 0x0040u), __byte_perm(c, d, 0x0040u), 0x5410u);
 }
 
-// Stores codes j..j+3 of a chunk (j a multiple of 4) as quant::store_four_codes does, the same
-// bytes, from the encoder's codes q and levels. Integer codes are packed from their levels: the
-// level plus 2^23 + bias has the stored byte (int8: flipped at its top) in its low bits.
+// Stores e4m3 codes j..j+3 of a chunk (j a multiple of 4) as quant::store_four_codes does, one word.
+__device__ __forceinline__ void store_e4m3_four(uint8_t* codes, int64_t j, const int8_t (&q)[4]) {
+  *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(static_cast<uint8_t>(q[0]), static_cast<uint8_t>(q[1]),
+                                                      static_cast<uint8_t>(q[2]), static_cast<uint8_t>(q[3]));
+}
+
+// The bits of the float 2^23 + r for each of a group's four 16-bit draws r (quant::four_random_at's
+// fields: draw k is bits 16k..16k+15 of the mix), one byte permute each: the draw's two bytes
+// under the two bytes of 2^23's bits (0x4B00). Rounding to nearest, every draw is kNearestDraw
+// (r = kHalf16).
+constexpr uint32_t kDrawMagicHigh = 0x4B00u;  // 2^23's top two bytes, as bytes 4 and 5 of a permute
+constexpr uint32_t kNearestDraw = 0x4B000000u | quant::kHalf16;
+__device__ __forceinline__ void magic_draws(uint64_t point, uint32_t (&draw)[4]) {
+  const uint64_t z = quant::mix(point);
+  const uint32_t low = static_cast<uint32_t>(z), high = static_cast<uint32_t>(z >> 32);
+  draw[0] = __byte_perm(low, kDrawMagicHigh, 0x5410u);
+  draw[1] = __byte_perm(low, kDrawMagicHigh, 0x5432u);
+  draw[2] = __byte_perm(high, kDrawMagicHigh, 0x5410u);
+  draw[3] = __byte_perm(high, kDrawMagicHigh, 0x5432u);
+}
+
+// int8 or int4 codes j..j+3 of a chunk (j a multiple of 4) from values x, the chunk's inverse
+// scale and the magic draws above: the bytes quant::encode and quant::store_four_codes make, and
+// `level`, the codes' values (quant::encode's), in fewer instructions:
+//   - the draw u = r * 2^-16 is (2^23 + r) * 2^-16 - 128, one exact multiply-add (uniform_of
+//     builds the same number with a shift, two masks and a subtraction);
+//   - floor(t), clamped to the codes' range, is the clamp of t rounded down (the same for every
+//     t, NaN included: fmaxf takes -top for it either way), and rounding t + 2^23 + bias down to
+//     an integer does the floor and lays the stored code (code + bias) into the float's low bits
+//     at once;
+//   - only the lower clamp is applied: t = x * inverse + u stays below top + 1. The scale is the
+//     absmax of the values encoded over top and the inverse its correctly rounded reciprocal, so
+//     x * inverse <= top * (1 + 3 * 2^-24) (three roundings), and u <= 1 - 2^-16; the sum rounds
+//     below top + 1 for top = 7 and 127. A NaN or infinite scale has an inverse of 0 (quant::inverse),
+//     so t is u or NaN, never +Inf.
+// Integer codes are packed from those low bits: the int8 byte is flipped at its top; each int4
+// byte holds two nibbles, the even code's plus 16 times the odd one's (no carry).
 template <Codes kKind>
-__device__ __forceinline__ void store_four(uint8_t* codes, int64_t j, const int8_t (&q)[4], const float (&level)[4]) {
-  if constexpr (kKind == Codes::e4m3) {
-    *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(static_cast<uint8_t>(q[0]), static_cast<uint8_t>(q[1]),
-                                                        static_cast<uint8_t>(q[2]), static_cast<uint8_t>(q[3]));
-  } else {
-    constexpr float kMagic = kKind == Codes::int8 ? 8388736.0f : 8388616.0f;  // 2^23 + 128, 2^23 + 8
-    uint32_t m[4];
+__device__ __forceinline__ void store_int_four(const float (&x)[4], float inverse, const uint32_t (&draw)[4],
+                                               uint8_t* codes, int64_t j, float (&level)[4]) {
+  static_assert(kKind != Codes::e4m3, "e4m3 codes are encoded by store_normal_e4m3 or quant::encode");
+  constexpr float kTop = kKind == Codes::int8 ? 127.0f : 7.0f;
+  constexpr float kMagic = kKind == Codes::int8 ? 8388736.0f : 8388616.0f;  // 2^23 + 128, 2^23 + 8
+  uint32_t m[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) m[k] = __float_as_uint(__fadd_rn(level[k], kMagic));
-    if constexpr (kKind == Codes::int8) {
-      *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(m[0], m[1], m[2], m[3]) ^ 0x80808080u;
-    } else {
-      // each low byte holds two nibbles: the even code's plus 16 times the odd one's (no carry)
-      const uint32_t pair01 = m[0] + (m[1] << 4), pair23 = m[2] + (m[3] << 4);
-      *reinterpret_cast<uint16_t*>(codes + j / 2) = static_cast<uint16_t>(__byte_perm(pair01, pair23, 0x0040u));
-    }
+  for (int k = 0; k < 4; ++k) {
+    const float u = __fmaf_rn(__uint_as_float(draw[k]), 1.0f / 65536.0f, -128.0f);
+    const float t = fmaxf(quant::add(quant::mul(x[k], inverse), u), -kTop);
+    m[k] = __float_as_uint(__fadd_rd(t, kMagic));
+    level[k] = floorf(t);  // used by the error feedback only (the reduce drops it)
+  }
+  if constexpr (kKind == Codes::int8) {
+    *reinterpret_cast<uint32_t*>(codes + j) = low_bytes(m[0], m[1], m[2], m[3]) ^ 0x80808080u;
+  } else {
+    const uint32_t pair01 = m[0] + (m[1] << 4), pair23 = m[2] + (m[3] << 4);
+    *reinterpret_cast<uint16_t*>(codes + j / 2) = static_cast<uint16_t>(__byte_perm(pair01, pair23, 0x0040u));
   }
 }
 
