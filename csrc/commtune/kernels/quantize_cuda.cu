@@ -161,7 +161,9 @@ struct FloatGroups {
 // there what the codes lose (elements first_index.. of it). Each group's error is written as soon
 // as it is encoded: codes kept for a second pass would hold 32 more registers and cost a third of
 // the warps an SM can keep in flight. kFull: the chunk is 1024 elements, every group in it.
-template <quant::Codes kKind, typename Map, bool kFull = false, typename scalar_t>
+// kDrawn: draws >= 0 (stochastic rounding) is known at compile time, which spares the kernel a
+// second copy of the loop for rounding to nearest.
+template <quant::Codes kKind, typename Map, bool kFull = false, bool kDrawn = false, typename scalar_t>
 __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int lane, const QuantizeLayout& l,
                                             uint64_t first_index, int64_t draws, float scale, uint8_t* codes,
                                             scalar_t* error, bool vector) {
@@ -188,7 +190,7 @@ __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int 
     } else {
       using quant_words::kNearestDraw;
       uint32_t draw[4] = {kNearestDraw, kNearestDraw, kNearestDraw, kNearestDraw};
-      if (draws >= 0) quant_words::magic_draws(point, draw);
+      if (kDrawn || draws >= 0) quant_words::magic_draws(point, draw);
       quant_words::store_int_four<kKind>(v[i], inverse, draw, codes, j, level);
     }
     if (error != nullptr) {
@@ -300,15 +302,22 @@ __device__ __forceinline__ uint32_t largest_scale_bits(const uint8_t* scale_at, 
 // Two ranks' words in flight at a time, 7 blocks of 4 warps an SM (up to 72 registers, the bound
 // below: 28 warps an SM, where blocks of 8 warps and 80 registers fit 24; on an H200 3-7% faster
 // on a bucket-sized shard, within 1% on one shard). Four ranks (117 registers) measured 13%
-// slower, 64 registers (32 warps) 2-8% slower, four ranks of int4 (whose words take the
-// registers two of int8's do) 3% slower (benchmarks/results/NOTES.md).
+// slower, 64 registers (32 warps) 2-8% slower (benchmarks/results/NOTES.md).
 constexpr int kRanksInFlight = 2;
 constexpr int kReduceThreads = 128;
+// int4's reduce in the common case (chunks of 1024, stochastic rounding, a power-of-two mean, 8
+// ranks or more): eight ranks' words in flight (80 registers, 6 blocks of 4 warps an SM) and a
+// kernel without the rounding-to-nearest and division paths. On an H100 a bucket-sized shard took
+// 55.1 us with the kernel above and 51.1-51.3 us with this one, the one-shard pass 9.5 and 9.3 us;
+// eight ranks in flight but with both paths compiled in took 52.0 us, and with a loop of two
+// ranks at a time for what is left, 57.2 us: the kernel's size matters here
+// (reduce_in_flight_session20.json). int8 and e4m3 gained nothing from it.
+constexpr int kInt4RanksInFlight = 8;
 
 // kFull: chunks of 1024 (the default), every word of a lane's in the chunk, which spares the
-// bounds' predicates.
-template <quant::Codes kKind, bool kFull>
-__global__ void __launch_bounds__(kReduceThreads, 7)
+// bounds' predicates. kCommon: draws >= 0 and a power-of-two divisor (the launcher checks).
+template <quant::Codes kKind, bool kFull, int kInFlight = kRanksInFlight, int kMinBlocks = 7, bool kCommon = false>
+__global__ void __launch_bounds__(kReduceThreads, kMinBlocks)
     reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                        quant::Divisor divisor, int64_t draws, uint32_t magic) {
   using Words = CodeWords<kKind>;
@@ -336,17 +345,17 @@ __global__ void __launch_bounds__(kReduceThreads, 7)
   float v[kMaxFours][4] = {};
   float bias_sum = 0.0f;
   int r = 0;
-  for (; r + kRanksInFlight <= ranks; r += kRanksInFlight) {
-    add_ranks<kKind, kRanksInFlight>(codes, scale_at, step, has, magic, unit, bias_sum, largest, v);
-    codes += kRanksInFlight * step;
-    scale_at += kRanksInFlight * step;
+  for (; r + kInFlight <= ranks; r += kInFlight) {
+    add_ranks<kKind, kInFlight>(codes, scale_at, step, has, magic, unit, bias_sum, largest, v);
+    codes += kInFlight * step;
+    scale_at += kInFlight * step;
   }
   for (; r < ranks; ++r, codes += step, scale_at += step) {
     add_ranks<kKind, 1>(codes, scale_at, step, has, magic, unit, bias_sum, largest, v);
   }
   // quant::finish_sum, then the divisor: for a power of two one fused step (the product by its
   // inverse is exact, so rounding the difference once and then scaling is the same number)
-  const bool fused = kSubnormal && divisor.inverse != 0.0f;
+  const bool fused = kSubnormal && (kCommon || divisor.inverse != 0.0f);
   const float less = fused ? -quant::mul(bias_sum, divisor.inverse) : 0.0f;
   float m = 0.0f;
 #pragma unroll
@@ -359,8 +368,8 @@ __global__ void __launch_bounds__(kReduceThreads, 7)
     }
   }
   const float scale = quant::scale_of(warp_absmax(m), kKind);
-  encode_lane<kKind, Words, kFull>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
-                                   static_cast<float*>(nullptr), false);
+  encode_lane<kKind, Words, kFull, kCommon>(v, lane, l, c * l.chunk, draws, scale, l.codes(piece, 0, c),
+                                            static_cast<float*>(nullptr), false);
   if (lane == 0) {
     *l.scale(piece, 0, c) = quant::reduced_scale(kSubnormal ? unit.scale_down(scale) : scale,
                                                   quant::finite_scale(__uint_as_float(largest)));
@@ -443,6 +452,11 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
       constexpr quant::Codes kKind = decltype(kind)::value;
       auto* kernel =
           layout.chunk == kWarpChunkLimit ? reduce_warp_kernel<kKind, true> : reduce_warp_kernel<kKind, false>;
+      if constexpr (kKind == quant::Codes::int4) {
+        const bool common = layout.chunk == kWarpChunkLimit && draws >= 0 &&
+                            quant::Divisor::of(divisor).inverse != 0.0f && layout.ranks >= kInt4RanksInFlight;
+        if (common) kernel = reduce_warp_kernel<kKind, true, kInt4RanksInFlight, 6, true>;
+      }
       kernel<<<four::warp_blocks(layout.chunks_per_shard(), kReduceThreads), kReduceThreads, 0, stream>>>(
           received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
           draws, quant_words::kMagicBits);
