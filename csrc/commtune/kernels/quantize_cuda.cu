@@ -448,6 +448,7 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
                         int64_t divisor, int64_t draws) {
   const c10::cuda::CUDAGuard guard(received.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const quant::Divisor by = quant::Divisor::of(divisor);
   if (layout.chunk <= kWarpChunkLimit) {
     with_codes(layout.kind, [&](auto kind) {
       constexpr quant::Codes kKind = decltype(kind)::value;
@@ -455,17 +456,16 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
           layout.chunk == kWarpChunkLimit ? reduce_warp_kernel<kKind, true> : reduce_warp_kernel<kKind, false>;
       if constexpr (kKind == quant::Codes::int4) {
         const bool common = layout.chunk == kWarpChunkLimit && draws >= 0 &&
-                            quant::Divisor::of(divisor).inverse != 0.0f && layout.ranks >= kInt4RanksInFlight;
+                            by.inverse != 0.0f && layout.ranks >= kInt4RanksInFlight;
         if (common) kernel = reduce_warp_kernel<kKind, true, kInt4RanksInFlight, 6, true>;
       }
       kernel<<<four::warp_blocks(layout.chunks_per_shard(), kReduceThreads), kReduceThreads, 0, stream>>>(
-          received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
-          draws, quant_words::kMagicBits);
+          received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, by, draws,
+          quant_words::kMagicBits);
     });
   } else {
     reduce_kernel<<<layout.chunks_per_shard(), kThreads, chunk_bytes(layout), stream>>>(
-        received.mutable_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, quant::Divisor::of(divisor),
-        draws);
+        received.mutable_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, by, draws);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
