@@ -148,9 +148,10 @@ def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes, chunk):
 def test_cuda_and_cpu_reduce_different_ranks_to_the_same_bits(codes, ranks, chunk):
     # Each rank's own shard 0 (a different bucket per rank), so a rank's codes or scale read in
     # another's place shows. The warp kernel adds ranks two at a time (9, 11 and 41 end with one
-    # alone); int4's, at 8 and 16 ranks (a power of two, chunks of 1024), eight at a time; chunks
-    # of 256 and 1000 leave lanes past the chunk; 2048 takes the block kernel; 41 ranks' scales are
-    # more than a warp's lanes, which find the largest one together.
+    # alone); at 8 and 16 ranks (a power of two, chunks of 1024) each kind takes its common-case
+    # kernel, int4's with four ranks at a time; chunks of 256 and 1000 leave lanes past the chunk;
+    # 2048 takes the block kernel; 41 ranks' scales are more than a warp's lanes, which find the
+    # largest one together.
     numel = 40_000
     pieces = []
     for r in range(ranks):

@@ -181,10 +181,11 @@ __device__ __forceinline__ void encode_lane(const float (&v)[kMaxFours][4], int 
     float level[4];
     if constexpr (kKind == quant::Codes::e4m3) {
       uint32_t random[4] = {quant::kHalf16, quant::kHalf16, quant::kHalf16, quant::kHalf16};
-      if (draws >= 0) quant::four_random_at(point, random);
-      if (!quant_words::store_normal_e4m3(v[i], inverse, random, draws < 0, codes, j, level)) {
+      const bool nearest = !kDrawn && draws < 0;
+      if (!nearest) quant::four_random_at(point, random);
+      if (!quant_words::store_normal_e4m3(v[i], inverse, random, nearest, codes, j, level)) {
         int8_t q[4];
-        quant::encode_four_drawn(v[i], random, draws < 0, inverse, kKind, q, level);
+        quant::encode_four_drawn(v[i], random, nearest, inverse, kKind, q, level);
         quant_words::store_e4m3_four(codes, j, q);
       }
     } else {
@@ -233,51 +234,63 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
 
 using quant_words::CodeWords;
 
-// Adds kRanks ranks' codes of the warp's chunk, in rank order, to the lane's sums: `codes` is the
-// lane's first word of the first of them, `scale_at` that rank's scale of the chunk, and each
-// next rank's are `step` bytes on; `has[t]`: the lane's word t is in the chunk. int8 and int4
-// codes are added as quant_words::SubnormalSums says (their unit `unit`; `bias_sum` gathers
-// the bias times the scales, quant::finish_sum's share), e4m3 codes by level (`magic`:
-// quant_words::kMagicBits; `largest` gathers the bits of its scales, sign cleared, for the
-// finiteness check that int8 and int4 make before the sums). Every load is issued before the
-// first is used (no branch between them): that is what keeps enough bytes in flight.
+// kRanks ranks' words of the warp's chunk and their stored scales, as loaded by load_ranks.
 template <quant::Codes kKind, int kRanks>
-__device__ __forceinline__ void add_ranks(const uint8_t* codes, const uint8_t* scale_at, int64_t step,
-                                          const bool (&has)[CodeWords<kKind>::kPerLane], uint32_t magic,
-                                          const quant_words::SubnormalSums& unit, float& bias_sum,
-                                          uint32_t& largest, float (&v)[kMaxFours][4]) {
+struct RankWords {
+  uint32_t word[kRanks][CodeWords<kKind>::kPerLane];
+  float stored[kRanks];
+};
+
+// Loads kRanks ranks' codes of the warp's chunk: `codes` is the lane's first word of the first
+// of them, `scale_at` that rank's scale of the chunk, and each next rank's are `step` bytes on;
+// `has[t]`: the lane's word t is in the chunk. Every load is issued before the first is used (no
+// branch between them): that is what keeps enough bytes in flight.
+template <quant::Codes kKind, int kRanks>
+__device__ __forceinline__ void load_ranks(const uint8_t* codes, const uint8_t* scale_at, int64_t step,
+                                           const bool (&has)[CodeWords<kKind>::kPerLane], RankWords<kKind, kRanks>& in) {
   using Words = CodeWords<kKind>;
-  constexpr bool kSubnormal = quant_words::kSubnormalSums<kKind>;
-  uint32_t word[kRanks][Words::kPerLane];
-  float scale[kRanks];
 #pragma unroll
   for (int b = 0; b < kRanks; ++b) {
-    const float stored = __ldg(reinterpret_cast<const float*>(scale_at + b * step));
-    scale[b] = kSubnormal ? unit.scale_up(stored) : quant_words::word_scale<kKind>(stored);
-    if (!kSubnormal) largest = max(largest, __float_as_uint(stored) & 0x7FFFFFFFu);
+    in.stored[b] = __ldg(reinterpret_cast<const float*>(scale_at + b * step));
     const uint32_t* words = reinterpret_cast<const uint32_t*>(codes + b * step);
 #pragma unroll
-    for (int t = 0; t < Words::kPerLane; ++t) word[b][t] = has[t] ? __ldg(words + kWarp * t) : Words::kZero;
+    for (int t = 0; t < Words::kPerLane; ++t) in.word[b][t] = has[t] ? __ldg(words + kWarp * t) : Words::kZero;
   }
+}
+
+// Adds the loaded ranks' codes, in rank order, to the lane's sums. int8 and int4 codes are
+// added as quant_words::SubnormalSums says (their unit `unit`; `bias_sum` gathers the bias times
+// the scales, quant::finish_sum's share), e4m3 codes by level (`magic`: quant_words::kMagicBits;
+// `largest` gathers the bits of its scales, sign cleared, for the finiteness check that int8 and
+// int4 make before the sums).
+template <quant::Codes kKind, int kRanks>
+__device__ __forceinline__ void sum_ranks(const RankWords<kKind, kRanks>& in, uint32_t magic,
+                                          const quant_words::SubnormalSums& unit, float& bias_sum, uint32_t& largest,
+                                          float (&v)[kMaxFours][4]) {
+  using Words = CodeWords<kKind>;
+  constexpr bool kSubnormal = quant_words::kSubnormalSums<kKind>;
   constexpr int kCodes = 32 / quant::bits_of(kKind);
 #pragma unroll
   for (int b = 0; b < kRanks; ++b) {
+    const float stored = in.stored[b];
+    const float scale = kSubnormal ? unit.scale_up(stored) : quant_words::word_scale<kKind>(stored);
+    if (!kSubnormal) largest = max(largest, __float_as_uint(stored) & 0x7FFFFFFFu);
     if (kSubnormal) {  // the bias times the scale, in the sums' unit
-      bias_sum = quant_words::fma_subnormal(__uint_as_float(quant::bias_of(kKind)), scale[b], bias_sum);
+      bias_sum = quant_words::fma_subnormal(__uint_as_float(quant::bias_of(kKind)), scale, bias_sum);
     }
-    const quant_words::Int4InPlace in_place = quant_words::Int4InPlace::of(scale[b]);  // int4's only
+    const quant_words::Int4InPlace in_place = quant_words::Int4InPlace::of(scale);  // int4's only
 #pragma unroll
     for (int t = 0; t < Words::kPerLane; ++t) {
 #pragma unroll
       for (int k = 0; k < kCodes; ++k) {
         float& sum = v[t * Words::kGroups + k / 4][k % 4];
         if constexpr (kKind == quant::Codes::int4) {
-          sum = in_place.add(word[b][t], k, sum);
+          sum = in_place.add(in.word[b][t], k, sum);
         } else if constexpr (kSubnormal) {
-          sum = quant_words::fma_subnormal(quant_words::stored_in_word<kKind>(word[b][t], k), scale[b], sum);
+          sum = quant_words::fma_subnormal(quant_words::stored_in_word<kKind>(in.word[b][t], k), scale, sum);
         } else {
-          const float level = quant_words::level_in_word<kKind>(word[b][t], k, magic);
-          sum = quant::mul_add(level, scale[b], sum);  // quant::add_decoded's sum
+          const float level = quant_words::level_in_word<kKind>(in.word[b][t], k, magic);
+          sum = quant::mul_add(level, scale, sum);  // quant::add_decoded's sum
         }
       }
     }
@@ -305,15 +318,19 @@ __device__ __forceinline__ uint32_t largest_scale_bits(const uint8_t* scale_at, 
 // slower, 64 registers (32 warps) 2-8% slower (benchmarks/results/NOTES.md).
 constexpr int kRanksInFlight = 2;
 constexpr int kReduceThreads = 128;
-// int4's reduce in the common case (chunks of 1024, stochastic rounding, a power-of-two mean, 8
-// ranks or more): eight ranks' words in flight (80 registers, 6 blocks of 4 warps an SM) and a
-// kernel without the rounding-to-nearest and division paths. On an H100 a bucket-sized shard took
-// 55.1 us with the kernel above and 51.1-51.3 us with this one, the one-shard pass 9.5 and 9.3 us;
-// eight ranks in flight but with both paths compiled in took 52.0 us, and with a loop of two
-// ranks at a time for what is left, 57.2 us: the kernel's size matters here
-// (reduce_in_flight_session20.json). int8 and e4m3 keep two ranks in flight: with eight, int8's
-// bucket-sized pass was 1-2% faster and its one-shard pass 12% slower, e4m3 slower on both.
-constexpr int kInt4RanksInFlight = 8;
+// The common case (chunks of 1024, stochastic rounding, a power-of-two mean) has kernels of its
+// own, without the rounding-to-nearest and division paths: the kernel's size matters. On an H100
+// (reduce_variants_ab_session21.json, every variant in one run) e4m3's one-shard pass took 10.2
+// us against 10.85 with the general kernel, int8's the same 10.05 either way. int4's keeps four
+// ranks in flight (80 registers, 6 blocks of 4 warps an SM): its bucket-sized shard took 49.5 us
+// against 51.0 with eight in flight and 54.8 with two, its one-shard pass 9.3 us with four or
+// eight. Eight in flight with the first ranks' loads issued ahead of the largest scale (below)
+// spent 10.3 us on one shard; int8 with four, 10.3-11.1 (reduce_in_flight_session20.json has
+// the sweep before).
+template <quant::Codes kKind>
+constexpr int kCommonRanksInFlight = kKind == quant::Codes::int4 ? 4 : kRanksInFlight;
+template <quant::Codes kKind>
+constexpr int kCommonMinBlocks = kKind == quant::Codes::int4 ? 6 : 7;
 
 // kFull: chunks of 1024 (the default), every word of a lane's in the chunk, which spares the
 // bounds' predicates. kCommon: draws >= 0 and a power-of-two divisor (the launcher checks).
@@ -337,9 +354,14 @@ __global__ void __launch_bounds__(kReduceThreads, kMinBlocks)
 #pragma unroll
   for (int t = 0; t < Words::kPerLane; ++t) has[t] = kFull || Words::byte_of(lane, t) < chunk_bytes;
   const int ranks = static_cast<int>(l.ranks);
-  // int8 and int4 need the largest scale before the sums (their unit); e4m3 gathers it from the
-  // scales add_ranks loads anyway: a warp reduction of them ahead of the loads made its reduce of
-  // a bucket-sized shard 15% slower on an H200 (80.0% of copy bandwidth, 94.4% without).
+  // int8 and int4 need the largest scale before the sums (their unit), and request the first
+  // ranks' words before it is found, so that its loads and theirs share one round trip (int4's
+  // bucket-sized shard 51.0 -> 49.3 us on an H100, eight ranks in flight). e4m3 gathers it from
+  // the scales load_ranks loads anyway: a warp reduction of them ahead of the loads made its
+  // reduce of a bucket-sized shard 15% slower on an H200 (80.0% of copy bandwidth, 94.4% without).
+  constexpr bool kHoist = kSubnormal;
+  RankWords<kKind, kInFlight> words;
+  if (kHoist && ranks >= kInFlight) load_ranks<kKind, kInFlight>(codes, scale_at, step, has, words);
   uint32_t largest = kSubnormal ? largest_scale_bits(scale_at, step, ranks, lane) : 0u;
   quant_words::SubnormalSums unit{};
   if (kSubnormal) unit = quant_words::SubnormalSums::of(largest);
@@ -347,12 +369,15 @@ __global__ void __launch_bounds__(kReduceThreads, kMinBlocks)
   float bias_sum = 0.0f;
   int r = 0;
   for (; r + kInFlight <= ranks; r += kInFlight) {
-    add_ranks<kKind, kInFlight>(codes, scale_at, step, has, magic, unit, bias_sum, largest, v);
+    if (!kHoist || r > 0) load_ranks<kKind, kInFlight>(codes, scale_at, step, has, words);
+    sum_ranks<kKind, kInFlight>(words, magic, unit, bias_sum, largest, v);
     codes += kInFlight * step;
     scale_at += kInFlight * step;
   }
   for (; r < ranks; ++r, codes += step, scale_at += step) {
-    add_ranks<kKind, 1>(codes, scale_at, step, has, magic, unit, bias_sum, largest, v);
+    RankWords<kKind, 1> one;
+    load_ranks<kKind, 1>(codes, scale_at, step, has, one);
+    sum_ranks<kKind, 1>(one, magic, unit, bias_sum, largest, v);
   }
   // quant::finish_sum, then the divisor: for a power of two one fused step (the product by its
   // inverse is exact, so rounding the difference once and then scaling is the same number)
@@ -363,8 +388,13 @@ __global__ void __launch_bounds__(kReduceThreads, kMinBlocks)
   for (int i = 0; i < kMaxFours; ++i) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      v[i][k] = fused ? quant::mul_add(v[i][k], divisor.inverse, less)
-                      : divisor.apply(kSubnormal ? quant::add(v[i][k], -bias_sum) : v[i][k]);
+      if (fused) {
+        v[i][k] = quant::mul_add(v[i][k], divisor.inverse, less);
+      } else if (kCommon) {  // e4m3: a power of two's inverse, exact
+        v[i][k] = quant::mul(v[i][k], divisor.inverse);
+      } else {
+        v[i][k] = divisor.apply(kSubnormal ? quant::add(v[i][k], -bias_sum) : v[i][k]);
+      }
       m = quant::max_magnitude(m, v[i][k]);  // groups past the chunk hold zeros
     }
   }
@@ -454,10 +484,9 @@ void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, con
       constexpr quant::Codes kKind = decltype(kind)::value;
       auto* kernel =
           layout.chunk == kWarpChunkLimit ? reduce_warp_kernel<kKind, true> : reduce_warp_kernel<kKind, false>;
-      if constexpr (kKind == quant::Codes::int4) {
-        const bool common = layout.chunk == kWarpChunkLimit && draws >= 0 &&
-                            by.inverse != 0.0f && layout.ranks >= kInt4RanksInFlight;
-        if (common) kernel = reduce_warp_kernel<kKind, true, kInt4RanksInFlight, 6, true>;
+      constexpr int kInFlight = kCommonRanksInFlight<kKind>;
+      if (layout.chunk == kWarpChunkLimit && draws >= 0 && by.inverse != 0.0f && layout.ranks >= kInFlight) {
+        kernel = reduce_warp_kernel<kKind, true, kInFlight, kCommonMinBlocks<kKind>, true>;
       }
       kernel<<<four::warp_blocks(layout.chunks_per_shard(), kReduceThreads), kReduceThreads, 0, stream>>>(
           received.const_data_ptr<uint8_t>(), piece.mutable_data_ptr<uint8_t>(), layout, by, draws,
