@@ -144,14 +144,16 @@ def test_cuda_and_cpu_kernels_give_the_same_bits(dtype, codes, chunk):
 @needs_cuda
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("codes", CODES)
-@pytest.mark.parametrize("ranks,chunk", [(8, 1024), (16, 1024), (11, 256), (9, 1000), (8, 2048), (41, 1024)])
-def test_cuda_and_cpu_reduce_different_ranks_to_the_same_bits(codes, ranks, chunk):
+@pytest.mark.parametrize("ranks,chunk,divisor", [(8, 1024, 8), (16, 1024, 16), (11, 256, 11), (9, 1000, 9),
+                                                  (8, 2048, 8), (41, 1024, 41), (6, 1024, 8)])
+def test_cuda_and_cpu_reduce_different_ranks_to_the_same_bits(codes, ranks, chunk, divisor):
     # Each rank's own shard 0 (a different bucket per rank), so a rank's codes or scale read in
     # another's place shows. The warp kernel adds ranks two at a time (9, 11 and 41 end with one
     # alone); at 8 and 16 ranks (a power of two, chunks of 1024) each kind takes its common-case
-    # kernel, int4's with four ranks at a time; chunks of 256 and 1000 leave lanes past the chunk;
-    # 2048 takes the block kernel; 41 ranks' scales are more than a warp's lanes, which find the
-    # largest one together.
+    # kernel, int4's with four ranks at a time, as do 6 ranks whose mean divides by 8 (a divisor
+    # the caller picks; int4's kernel ends with two ranks one at a time); chunks of 256 and 1000
+    # leave lanes past the chunk; 2048 takes the block kernel; 41 ranks' scales are more than a
+    # warp's lanes, which find the largest one together.
     numel = 40_000
     pieces = []
     for r in range(ranks):
@@ -162,7 +164,7 @@ def test_cuda_and_cpu_reduce_different_ranks_to_the_same_bits(codes, ranks, chun
     out = []
     for device in ("cpu", "cuda"):
         piece = torch.empty(pieces[0].numel(), dtype=torch.uint8, device=device)
-        _C.reduce_shard_(received.to(device), piece, numel, ranks, chunk, ranks, 99, codes)
+        _C.reduce_shard_(received.to(device), piece, numel, ranks, chunk, divisor, 99, codes)
         out.append(piece.cpu())
     assert torch.equal(out[0], out[1])
 
