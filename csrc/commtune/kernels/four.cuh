@@ -1,6 +1,6 @@
 #pragma once
 // Four consecutive elements as one access: the vector loads and stores the compression kernels
-// use where a lane owns groups of four values (quantize_cuda.cu, sign_cuda.cu), and the layout
+// use where a lane owns groups of four values (the quantize files, sign_cuda.cu), and the layout
 // they share for chunks of up to 1024 elements: one warp per chunk, up to 8 groups a lane.
 #include <cstdint>
 #include <initializer_list>

@@ -1,7 +1,8 @@
 #pragma once
 // Stored codes read and written a 32-bit word (or, int4, 16 bits) at a time by the one-warp
-// kernels of quantize_cuda.cu, in fewer instructions than quantize_rules.h's per-code functions
-// and with the same bits (the reduce decodes every rank's codes, so instructions add up there).
+// kernels of quantize_cuda.cu and quantize_reduce_cuda.cu, in fewer instructions than
+// quantize_rules.h's per-code functions and with the same bits (the reduce decodes every rank's
+// codes, so instructions add up there).
 #include <commtune/kernels/four.cuh>
 #include <commtune/kernels/quantize_rules.h>
 
