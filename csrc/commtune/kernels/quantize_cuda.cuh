@@ -121,5 +121,4 @@ void with_codes(quant::Codes kind, F&& f) {
 
 inline size_t chunk_bytes(const QuantizeLayout& l) { return static_cast<size_t>(l.chunk) * sizeof(float); }
 
-
 } // namespace commtune::quant_cuda

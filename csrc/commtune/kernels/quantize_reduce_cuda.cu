@@ -134,6 +134,7 @@ __device__ __forceinline__ uint32_t largest_scale_bits(const uint8_t* scale_at, 
 // on a bucket-sized shard, within 1% on one shard). Four ranks (117 registers) measured 13%
 // slower, 64 registers (32 warps) 2-8% slower (benchmarks/results/NOTES.md).
 constexpr int kRanksInFlight = 2;
+constexpr int kReduceMinBlocks = 7;
 constexpr int kReduceThreads = 128;
 // The common case (chunks of 1024, stochastic rounding, a power-of-two mean) has kernels of its
 // own, without the rounding-to-nearest and division paths: the kernel's size matters. On an H100
@@ -147,11 +148,12 @@ constexpr int kReduceThreads = 128;
 template <quant::Codes kKind>
 constexpr int kCommonRanksInFlight = kKind == quant::Codes::int4 ? 4 : kRanksInFlight;
 template <quant::Codes kKind>
-constexpr int kCommonMinBlocks = kKind == quant::Codes::int4 ? 6 : 7;
+constexpr int kCommonMinBlocks = kKind == quant::Codes::int4 ? 6 : kReduceMinBlocks;
 
 // kFull: chunks of 1024 (the default), every word of a lane's in the chunk, which spares the
 // bounds' predicates. kCommon: draws >= 0 and a power-of-two divisor (the launcher checks).
-template <quant::Codes kKind, bool kFull, int kInFlight = kRanksInFlight, int kMinBlocks = 7, bool kCommon = false>
+template <quant::Codes kKind, bool kFull, int kInFlight = kRanksInFlight, int kMinBlocks = kReduceMinBlocks,
+          bool kCommon = false>
 __global__ void __launch_bounds__(kReduceThreads, kMinBlocks)
     reduce_warp_kernel(const uint8_t* __restrict__ received, uint8_t* __restrict__ piece, QuantizeLayout l,
                        quant::Divisor divisor, int64_t draws, uint32_t magic) {
