@@ -67,10 +67,10 @@ def test_picks_follow_the_rule(device, numel, k, clear):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_picks_follow_the_rule_when_they_crowd_together(device):
-    # Most qualifying entries lie in 20000 of 300000. On CUDA each block of the streaming pass
-    # takes one tile of 4096 here, and those tiles hold more than the block keeps: more than its
-    # buffer (written to its slots directly) and more than its slots (twice the expected count
-    # and the buffer; read again when placed).
+    # Most qualifying entries lie in 20000 of 300000. On CUDA each warp of the streaming pass
+    # takes one tile of 512 here, and those tiles hold more than the warp keeps: more than its
+    # buffer (64; written to its slots directly) and more than its slots (twice the expected
+    # count and the buffer; read again when placed).
     x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
     x[100_000:120_000] *= 1000
     k = 12_000
@@ -139,8 +139,8 @@ def test_cuda_and_cpu_pick_the_same(dtype):
     ],
 )
 def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
-    # 15M entries: on an H200 each block of the streaming pass takes a run of four or five tiles
-    # of 4096, the first two loaded while the threshold is found (sm_90 on). A bucket not 16-byte
+    # 15M entries: on an H100 or H200 each warp of the streaming pass takes a run of four or five
+    # tiles of 512, the first two loaded while the threshold is found (sm_90 on). A bucket not 16-byte
     # aligned (offset 1; fp16 at offset 4 is 8 bytes off) has its tiles copied entry by entry.
     x = torch.randn(15_000_001, generator=torch.Generator().manual_seed(4))
     x[13_000_000:13_200_000] *= 50  # crowded runs late in the bucket, read again when placed
@@ -153,8 +153,8 @@ def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
 @needs_cuda
 @pytest.mark.needs_cuda
 def test_cuda_picks_follow_the_rule_when_a_block_fills_its_buffer():
-    # 7% qualify: a block of the streaming pass finds ~290 entries in each tile of 4096, so its
-    # buffer (512) fills within its run of four or five tiles and goes to its slots before the
+    # 7% qualify: a warp of the streaming pass finds ~36 entries in each tile of 512, so its
+    # buffer (64) fills within its run of four or five tiles and goes to its slots before the
     # run ends.
     x = torch.randn(15_000_000, generator=torch.Generator().manual_seed(6))
     k = 1_050_000

@@ -38,7 +38,7 @@ __global__ void read_sum(const float4* __restrict__ x, int64_t n4, float* out) {
   if (acc == 1234.5f) *out = acc;
 }
 
-// Non-persistent read: one tile of 4096 floats a block, as the landed streaming pass reads
+// Non-persistent read: one tile of 4096 floats a block, as the eleventh session's streaming pass read
 __global__ void __launch_bounds__(256, 8) read_tile(const float4* __restrict__ x, int64_t n4, float* out) {
   int64_t at = blockIdx.x * (int64_t)1024 + threadIdx.x;
   float4 v[4];

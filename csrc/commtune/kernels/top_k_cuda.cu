@@ -2,15 +2,16 @@
 // 1. The sample's threshold, the want-th largest key (non-negative floats order as their bits),
 //    found 8 bits at a time from the top by a cluster of blocks that gather the sample themselves
 //    (top_k_search.cuh).
-// 2. The bucket streams through once in tiles of 4096 entries, with no block waiting on another:
-//    one wave of blocks, each with a run of whole tiles and two of them in flight into shared
-//    memory, finds the qualifying entries in index order and keeps them in shared memory; they go
-//    to the block's slots in a scratch buffer in whole runs (room for twice the expected number).
-// 3. A block for each run adds up the counts of the runs before it and copies the run's entries
-//    to their places among the first k (and clears them from the bucket). A run with more
-//    qualifying entries than slots is read again from the bucket.
+// 2. The bucket streams through once in warp tiles of 512 entries, with no warp waiting on
+//    another: one wave of blocks, each warp with its own run of whole warp tiles and two of them
+//    in flight into its share of shared memory, finds the qualifying entries in index order and
+//    keeps them in shared memory; they go to the run's slots in a scratch buffer in whole runs
+//    (room for twice the expected number).
+// 3. A block for each streaming block, a warp for each run, adds up the counts of the runs before
+//    it and copies the run's entries to their places among the first k (and clears them from the
+//    bucket). A run with more qualifying entries than slots is read again from the bucket.
 // From sm_90 on, each kernel is launched while the one before runs (dependent_launch.cuh): no
-// gaps between them, and the streaming pass's blocks load their first tiles while the threshold
+// gaps between them, and the streaming pass's warps load their first tiles while the threshold
 // is found (~9 us), instead of leaving the memory idle until it is found.
 #include <commtune/kernels/dependent_launch.cuh>
 #include <commtune/kernels/four.cuh>
@@ -31,23 +32,24 @@ namespace {
 constexpr unsigned kFull = 0xffffffffu;
 
 constexpr int kThreads = 256;
-constexpr int kGroups = 4;  // groups of four entries a thread of the streaming pass holds
-constexpr int64_t kTile = kThreads * kGroups * 4;
-// One call's scratch: each streaming block's slots for the entries it finds (value bits,
-// index), their count and the threshold.
+constexpr int kWarps = kThreads / 32;
+constexpr int kGroups = 4;  // groups of four entries a lane of the streaming pass holds
+constexpr int64_t kWarpTile = 32 * kGroups * 4;
+// One call's scratch: each run's slots for the entries it finds (value bits, index), their
+// count and the threshold. (The streaming blocks' counts, the sums of their runs', follow the
+// runs' counts; the kernels take them as a parameter of their own.)
 struct Scratch {
-  int2* slots;  // blocks x capacity
-  uint32_t* counts;  // blocks
+  int2* slots;  // runs x capacity
+  uint32_t* counts;  // runs
   float* threshold;
-  int64_t tiles;
-  int blocks;  // of the streaming pass, each with a run of whole tiles
+  int64_t tiles;  // warp tiles
+  int runs;  // of the streaming pass: kWarps a block, each with a run of whole warp tiles
   int capacity;
 };
 
 // ---- 2. the streaming pass -----------------------------------------------------------------
-// Field g (16 bits) of a packed count holds group g's count: a block's per-group counts
-// (<= 1024) scan in one 64-bit word. Within a warp (<= 128 a group) 8-bit fields of one 32-bit
-// word do, widened for the block by two byte permutes.
+// Field g (16 bits) of a packed count holds group g's count: a warp's per-group counts (<= 128)
+// scan as 8-bit fields of one 32-bit word, widened by two byte permutes to add up past 255.
 __device__ __forceinline__ uint32_t field(uint64_t packed, int g) {
   return static_cast<uint32_t>(packed >> (16 * g)) & 0xFFFFu;
 }
@@ -56,34 +58,42 @@ __device__ __forceinline__ uint64_t widen(uint32_t bytes) {
   return static_cast<uint64_t>(__byte_perm(bytes, 0u, 0x4342u)) << 32 | __byte_perm(bytes, 0u, 0x4140u);
 }
 
-// One wave of blocks, each streaming its own run of whole tiles, so that the entries a block
-// finds, in the order it finds them, are in index order after those of the blocks before it.
-// kStages tiles are in flight into shared memory: the first kStages are requested before the
-// threshold is known, so they load while the search runs (25 MB on an H200); each tile processed
-// frees its stage for the one kStages ahead. Two stages of 16 KB and 6 blocks an SM: 0.4-0.9 us a
-// call faster than three stages and 4 blocks, or four and 3 (H200, topk_timeline.py).
+// One wave of blocks; each warp streams its own run of whole warp tiles, so that the entries a
+// warp finds, in the order it finds them, are in index order after those of the runs before it.
+// Warps, not blocks, own the tiles: no block barrier a tile (the block-wide tiles of 4096 this
+// replaced streamed 1.6 us slower after the threshold on an H100, and a call took 0.8 us more:
+// topk_warp_runs_ab_session22.json). kStages warp tiles are in flight into the warp's shared
+// memory: the first kStages are requested before the threshold is known, so they load while the
+// search runs (25 MB on an H200); each tile processed frees its stage for the one kStages ahead.
+// Two stages and 6 blocks an SM: faster than three and 4 blocks (the same file).
 template <typename scalar_t>
 constexpr int kStages = sizeof(scalar_t) <= 4 ? 2 : 1;
 constexpr int kStreamingBlocksPerSm = 6;
-// The entries found collect in shared memory, kBuffered of them, and go to the block's slots in
-// global memory as whole runs when the buffer is full and at the end. Written as they were found,
-// a few for each tile, they cost ~4 us of the 100 MB stream (sectors written in part; the
-// eleventh session's probe).
-constexpr int kBuffered = 512;
+// The entries a warp finds collect in shared memory, kBuffered of them, and go to the run's
+// slots in global memory as whole runs when the buffer is full and at the end. Written as they
+// were found, a few for each tile, they cost ~4 us of the 100 MB stream (sectors written in
+// part; the eleventh session's probe).
+constexpr int kBuffered = 64;
 
 template <typename scalar_t>
 constexpr int stage_bytes() {
-  return static_cast<int>(kTile * sizeof(scalar_t));
+  return static_cast<int>(kWarpTile * sizeof(scalar_t));
+}
+
+// A warp's shared memory: its stages, then its buffer.
+template <typename scalar_t>
+constexpr int warp_shared_bytes() {
+  return kStages<scalar_t> * stage_bytes<scalar_t>() + kBuffered * static_cast<int>(sizeof(int2));
 }
 
 template <typename scalar_t>
 constexpr int streaming_shared_bytes() {
-  return kStages<scalar_t> * stage_bytes<scalar_t>() + kBuffered * static_cast<int>(sizeof(int2));
+  return kWarps * warp_shared_bytes<scalar_t>();
 }
 
-// The first tile of streaming block `block`'s run (block = blocks: the end of the last run).
-__device__ __forceinline__ int first_tile_of(const Scratch& scratch, int block) {
-  return static_cast<int>(scratch.tiles * block / scratch.blocks);
+// The first warp tile of run `run` (run = runs: the end of the last run).
+__device__ __forceinline__ int64_t first_tile_of(const Scratch& scratch, int run) {
+  return scratch.tiles * run / scratch.runs;
 }
 
 __device__ __forceinline__ void commit_copies() {
@@ -100,34 +110,35 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// Requests tile `tile` into `stage` (zeros past numel): 16-byte asynchronous copies where the
-// whole tile exists and x is 16-byte aligned (`aligned16`; tiles start 8 KB or more apart, so
-// then every piece is), else plain loads and stores.
+// The calling warp requests warp tile `tile` into `stage` (zeros past numel): 16-byte
+// asynchronous copies where the whole tile exists and x is 16-byte aligned (`aligned16`; tiles
+// start 1 KB or more apart, so then every piece is), else plain loads and stores.
 template <typename scalar_t>
-__device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_t numel, int tile, bool aligned16,
+__device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_t numel, int64_t tile, bool aligned16,
                                           scalar_t* stage) {
-  const int64_t first = static_cast<int64_t>(tile) * kTile;
+  const int64_t first = tile * kWarpTile;
+  const int lane = threadIdx.x % 32;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (aligned16 && first + kTile <= numel) {
+  if (aligned16 && first + kWarpTile <= numel) {
     const char* from = reinterpret_cast<const char*>(x + first);
     const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
     constexpr int kPieces = stage_bytes<scalar_t>() / 16;
-    static_assert(kPieces % kThreads == 0, "a tile is whole 16-byte pieces for every thread");
+    static_assert(kPieces % 32 == 0, "a warp tile is whole 16-byte pieces for every lane");
 #pragma unroll
-    for (int i = 0; i < kPieces / kThreads; ++i) {
-      const int p = threadIdx.x + kThreads * i;
+    for (int i = 0; i < kPieces / 32; ++i) {
+      const int p = lane + 32 * i;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to + 16 * p), "l"(from + 16 * p) : "memory");
     }
     return;
   }
 #endif
-  for (int j = threadIdx.x; j < kTile; j += kThreads) stage[j] = first + j < numel ? x[first + j] : scalar_t(0);
+  for (int j = lane; j < kWarpTile; j += 32) stage[j] = first + j < numel ? x[first + j] : scalar_t(0);
 }
 
-// slots[written + j] = buffered[j] for j < held, those below the capacity.
+// slots[written + j] = buffered[j] for j < held, those below the capacity (the calling warp).
 __device__ __forceinline__ void write_buffered(const int2* buffered, uint32_t held, int2* slots, uint32_t written,
                                                int capacity) {
-  for (uint32_t j = threadIdx.x; j < held && written + j < static_cast<uint32_t>(capacity); j += kThreads) {
+  for (uint32_t j = threadIdx.x % 32; j < held && written + j < static_cast<uint32_t>(capacity); j += 32) {
     slots[written + j] = buffered[j];
   }
 }
@@ -141,13 +152,17 @@ struct Zeroes {
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
-    streaming_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool aligned16, Zeroes zeroes) {
-  extern __shared__ __align__(16) unsigned char stage_memory[];
-  __shared__ uint64_t warp_packed[kThreads / 32];
+    streaming_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool aligned16, Zeroes zeroes,
+                     uint32_t* block_counts) {
+  extern __shared__ __align__(16) unsigned char shared_memory[];
+  __shared__ uint32_t warp_counts[kWarps];
   constexpr int kDepth = kStages<scalar_t>;
-  const auto stage = [&](int s) { return reinterpret_cast<scalar_t*>(stage_memory + s * stage_bytes<scalar_t>()); };
-  int2* buffered = reinterpret_cast<int2*>(stage_memory + kDepth * stage_bytes<scalar_t>());
-  const int first = first_tile_of(scratch, blockIdx.x), end = first_tile_of(scratch, blockIdx.x + 1);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  unsigned char* mine = shared_memory + warp * warp_shared_bytes<scalar_t>();
+  const auto stage = [&](int s) { return reinterpret_cast<scalar_t*>(mine + s * stage_bytes<scalar_t>()); };
+  int2* buffered = reinterpret_cast<int2*>(mine + kDepth * stage_bytes<scalar_t>());
+  const int run = blockIdx.x * kWarps + warp;
+  const int64_t first = first_tile_of(scratch, run), end = first_tile_of(scratch, run + 1);
 #pragma unroll
   for (int s = 0; s < kDepth; ++s) {
     if (first + s < end) copy_tile(x, numel, first + s, aligned16, stage(s));
@@ -160,94 +175,95 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
   dependent::allow_next_grid();
   dependent::wait_for_prior_grid();  // the threshold
   const float threshold = *scratch.threshold;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int2* slots = scratch.slots + static_cast<int64_t>(blockIdx.x) * scratch.capacity;
+  int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
   uint32_t held = 0, written = 0;  // entries in the buffer; entries found before them
   int s = 0;
-  for (int tile = first; tile < end; ++tile) {
-    wait_copies<kDepth - 1>();  // this tile's group (kDepth - 1 later ones may still load)
-    __syncthreads();
+  for (int64_t tile = first; tile < end; ++tile) {
+    wait_copies<kDepth - 1>();  // this lane's copies of this tile (kDepth - 1 later ones may still load)
+    __syncwarp();  // and every lane's
     const scalar_t* values = stage(s);
-    // Group g of this thread: entries 4 * threadIdx.x + 4 * kThreads * g .. + 3 of the tile, so
-    // a warp's reads of one g are contiguous; index order within the tile is (g, thread, entry).
-    // Indices fit in 32 bits.
+    // Group g of this lane: entries 4 * lane + 128 * g .. + 3 of the tile, so the warp's reads of
+    // one g are contiguous; index order within the tile is (g, lane, entry). Indices fit in 32
+    // bits.
     uint32_t flags = 0;  // bit 4g + e: entry e of group g qualifies
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
-      const four::Four<scalar_t> v =
-          *reinterpret_cast<const four::Four<scalar_t>*>(values + 4 * threadIdx.x + 4 * kThreads * g);
+      const four::Four<scalar_t> v = *reinterpret_cast<const four::Four<scalar_t>*>(values + 4 * lane + 128 * g);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (fabsf(static_cast<float>(v.v[e])) >= threshold) flags |= 1u << (4 * g + e);
       }
     }
-    const int64_t in_tile = numel - static_cast<int64_t>(tile) * kTile;
-    if (in_tile < kTile) {  // the last tile: its zeros past numel qualify when the threshold is 0
+    const int64_t in_tile = numel - tile * kWarpTile;
+    if (in_tile < kWarpTile) {  // the last tile: its zeros past numel qualify when the threshold is 0
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (4 * threadIdx.x + 4 * kThreads * g + e >= in_tile) flags &= ~(1u << (4 * g + e));
+          if (4 * lane + 128 * g + e >= in_tile) flags &= ~(1u << (4 * g + e));
         }
       }
     }
     uint32_t packed = 0;  // byte g: group g's count
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) packed |= __popc((flags >> (4 * g)) & 15u) << (8 * g);
-    // Exclusive scan of the packed counts over the block: the warp's, then the warps' before it.
-    uint32_t inclusive = packed;
+    uint32_t inclusive = packed;  // the warp's scan of the packed counts
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) {
       const uint32_t other = __shfl_up_sync(kFull, inclusive, o);
       if (lane >= o) inclusive += other;
     }
-    if (lane == 31) warp_packed[warp] = widen(inclusive);
-    __syncthreads();
-    uint64_t exclusive = widen(inclusive - packed), block = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) {
-      if (w < warp) exclusive += warp_packed[w];
-      block += warp_packed[w];
-    }
-    const uint32_t count = field(block, 0) + field(block, 1) + field(block, 2) + field(block, 3);
-    if (held + count > kBuffered) {  // the same for every thread: the buffer goes out first
-      write_buffered(buffered, held, slots, written, scratch.capacity);
-      written += held;
-      held = 0;
-      __syncthreads();
-    }
-    // A tile with more entries than the buffer holds writes them to the slots directly.
-    const bool direct = count > kBuffered;
-    if (flags != 0) {
-      // field g: where this thread's entries of group g go, after the tile's earlier groups
-      // (index order is group, thread, entry); fields stay below 2^16, so no carries
-      const uint64_t starts = exclusive + (block << 16) + (block << 32) + (block << 48);
+    const uint64_t total = widen(__shfl_sync(kFull, inclusive, 31));
+    const uint32_t count = field(total, 0) + field(total, 1) + field(total, 2) + field(total, 3);
+    if (count != 0) {  // the same for every lane
+      if (held + count > kBuffered) {  // the buffer goes out first
+        write_buffered(buffered, held, slots, written, scratch.capacity);
+        written += held;
+        held = 0;
+        __syncwarp();
+      }
+      // A tile with more entries than the buffer holds writes them to the slots directly.
+      const bool direct = count > kBuffered;
+      // field g: where this lane's entries of group g go, after the tile's earlier groups (index
+      // order is group, lane, entry); fields stay below 2^16, so no carries
+      const uint64_t starts = widen(inclusive - packed) + (total << 16) + (total << 32) + (total << 48);
       for (uint32_t left = flags; left != 0; left &= left - 1) {  // the qualifying entries only
         const int b = __ffs(left) - 1, g = b / 4;
         const uint32_t slot = field(starts, g) + __popc(flags & (0xFu << (4 * g)) & ((1u << b) - 1));
         // read again from shared memory rather than kept through the scan: fewer registers
-        const int j = 4 * threadIdx.x + 4 * kThreads * g + b % 4;
-        const int2 entry = make_int2(__float_as_int(static_cast<float>(values[j])), tile * static_cast<int>(kTile) + j);
+        const int j = 4 * lane + 128 * g + b % 4;
+        const int2 entry =
+            make_int2(__float_as_int(static_cast<float>(values[j])), static_cast<int>(tile * kWarpTile) + j);
         if (!direct) {
           buffered[held + slot] = entry;
         } else if (written + slot < static_cast<uint32_t>(scratch.capacity)) {
           slots[written + slot] = entry;
         }
       }
+      if (direct) {
+        written += count;
+      } else {
+        held += count;
+      }
     }
-    if (direct) {
-      written += count;
-    } else {
-      held += count;
-    }
-    __syncthreads();  // the stage and warp_packed are free again
-    const int next = tile + kDepth;
+    __syncwarp();  // the stage is free, the buffer's new entries visible to the warp
+    const int64_t next = tile + kDepth;
     if (next < end) copy_tile(x, numel, next, aligned16, stage(s));
     commit_copies();
     s = s + 1 == kDepth ? 0 : s + 1;
   }
   write_buffered(buffered, held, slots, written, scratch.capacity);
-  if (threadIdx.x == 0) scratch.counts[blockIdx.x] = written + held;
+  if (lane == 0) {
+    scratch.counts[run] = written + held;
+    warp_counts[warp] = written + held;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t sum = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += warp_counts[w];
+    block_counts[blockIdx.x] = sum;
+  }
 }
 
 // ---- 3. the placing pass -------------------------------------------------------------------
@@ -290,39 +306,30 @@ __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t mine, uint32_t*
   return before;
 }
 
-// One block for each streaming block's run: the counts of the runs before it say where its
-// entries go among the picks. A run with more entries than its slots hold, where they matter
-// (the picks are not complete before the slots' last), is read again from the bucket.
+// Run `run`'s entries to their places among the picks, `before` entries ahead of them (the
+// calling warp). A run with more entries than its slots hold, where they matter (the picks are
+// not complete before the slots' last), is read again from the bucket.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t numel, Scratch scratch, Picks picks,
-                                                         bool clear) {
-  __shared__ uint32_t totals[kThreads / 32];
-  dependent::wait_for_prior_grid();  // the streaming pass's counts and slots
-  const int run = blockIdx.x;
-  uint32_t mine = 0;  // entries found in this thread's share of the runs before this one
-  for (int r = threadIdx.x; r < run; r += kThreads) mine += scratch.counts[r];
-  uint32_t runs_before = 0;
-  block_exclusive_sum(mine, totals, runs_before);
-  const int64_t before = runs_before;
-  const uint32_t count = scratch.counts[run];
-  if (run == gridDim.x - 1 && threadIdx.x == 0) *picks.qualifying = before + count;
+__device__ __forceinline__ void place_run(scalar_t* x, int64_t numel, const Scratch& scratch, const Picks& picks,
+                                          bool clear, int run, int64_t before, uint32_t count) {
+  const int lane = threadIdx.x % 32;
+  if (run == scratch.runs - 1 && lane == 0) *picks.qualifying = before + count;
   if (before >= picks.k) return;
   if (count <= static_cast<uint32_t>(scratch.capacity) || before + scratch.capacity >= picks.k) {
     const int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
     const auto taken = static_cast<uint32_t>(std::min<int64_t>(count, picks.k - before));
-    for (uint32_t j = threadIdx.x; j < taken; j += kThreads) {
+    for (uint32_t j = lane; j < taken; j += 32) {
       const int2 s = slots[j];
       take(x, picks, before + j, s.y, __int_as_float(s.x), clear);
     }
     return;
   }
-  // Read the run again, 4 entries a thread a step (index order: thread, then entry).
+  // Read the run again, 4 entries a lane a step (index order: lane, then entry).
   const float threshold = *scratch.threshold;
-  const int64_t to = std::min<int64_t>(numel, static_cast<int64_t>(first_tile_of(scratch, run + 1)) * kTile);
+  const int64_t to = std::min<int64_t>(numel, first_tile_of(scratch, run + 1) * kWarpTile);
   int64_t next = before;
-  for (int64_t at = static_cast<int64_t>(first_tile_of(scratch, run)) * kTile; at < to && next < picks.k;
-       at += 4 * kThreads) {
-    const int64_t i = at + 4 * threadIdx.x;
+  for (int64_t at = first_tile_of(scratch, run) * kWarpTile; at < to && next < picks.k; at += 128) {
+    const int64_t i = at + 4 * lane;
     float v[4];
     uint32_t flags = 0;
 #pragma unroll
@@ -330,19 +337,43 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
       v[e] = i + e < to ? static_cast<float>(x[i + e]) : 0.0f;
       if (i + e < to && fabsf(v[e]) >= threshold) flags |= 1u << e;
     }
-    uint32_t step = 0;
-    int64_t n = next + block_exclusive_sum(__popc(flags), totals, step);
+    const uint32_t found = __popc(flags);
+    uint32_t inclusive = found;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const uint32_t other = __shfl_up_sync(kFull, inclusive, o);
+      if (lane >= o) inclusive += other;
+    }
+    int64_t n = next + inclusive - found;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (flags >> e & 1u) take(x, picks, n++, static_cast<int32_t>(i + e), v[e], clear);
     }
-    next += step;
+    next += __shfl_sync(kFull, inclusive, 31);
   }
 }
 
-// Slots a streaming block keeps for its run's entries: twice the expected number and a buffer's
-// worth, at most the run's entries or k (entries past the k-th of a run are never taken). Runs
-// with more (and picks still to take) are read again: correct, slower.
+// One block for each streaming block, one warp for each of its runs: the counts of the blocks
+// and runs before it say where the run's entries go among the picks.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t numel, Scratch scratch,
+                                                         const uint32_t* block_counts, Picks picks, bool clear) {
+  __shared__ uint32_t totals[kThreads / 32];
+  dependent::wait_for_prior_grid();  // the streaming pass's counts and slots
+  const int block = blockIdx.x, warp = threadIdx.x / 32;
+  uint32_t mine = 0;  // entries found in this thread's share of the blocks before this one
+  for (int r = threadIdx.x; r < block; r += kThreads) mine += block_counts[r];
+  uint32_t blocks_before = 0;
+  block_exclusive_sum(mine, totals, blocks_before);
+  const int run = block * kWarps + warp;
+  int64_t before = blocks_before;
+  for (int w = 0; w < warp; ++w) before += scratch.counts[block * kWarps + w];
+  place_run(x, numel, scratch, picks, clear, run, before, scratch.counts[run]);
+}
+
+// Slots a run keeps for its entries: twice the expected number and a buffer's worth, at most
+// the run's entries or k (entries past the k-th of a run are never taken). Runs with more (and
+// picks still to take) are read again: correct, slower.
 int slots_per_run(const TopKSample& sample, int64_t run_entries, int64_t k) {
   const int64_t expected = (run_entries * sample.want + sample.size - 1) / sample.size;
   return static_cast<int>(std::min({2 * expected + kBuffered, run_entries, k}));
@@ -355,7 +386,7 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t numel = x.numel();
-  const int64_t tiles = (numel + kTile - 1) / kTile;
+  const int64_t tiles = (numel + kWarpTile - 1) / kWarpTile;
   int32_t* out = piece.mutable_data_ptr<int32_t>();
   const Picks picks{reinterpret_cast<float*>(out), out + k, k, qualifying.mutable_data_ptr<int64_t>()};
   const int device = x.get_device();
@@ -368,17 +399,20 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
     const bool overlap = dependent::supported<kStreaming>(device);  // else plain launches
     using threshold_search::kSampleThreads, threshold_search::kSearchBlocks, threshold_search::sample_threshold_kernel;
     // Fewer blocks than a wave by the search's SMs: they are busy while the streaming blocks
-    // start, and a block started after the search ends would finish its run last.
+    // start, and a block started after the search ends would finish its runs last.
     const int search_sms = overlap ? kSearchBlocks : 1;
-    const int streaming =
-        static_cast<int>(std::min<int64_t>(tiles, std::max(wave - search_sms * (wave / sms), 1)));
-    const int64_t run_entries = (tiles + streaming - 1) / streaming * kTile;
+    const int streaming = static_cast<int>(
+        std::min<int64_t>((tiles + kWarps - 1) / kWarps, std::max(wave - search_sms * (wave / sms), 1)));
+    const int runs = streaming * kWarps;
+    const int64_t run_entries = (tiles + runs - 1) / runs * kWarpTile;
     const int capacity = slots_per_run(sample, run_entries, k);
-    at::Tensor memory = at::empty({2 * streaming * int64_t{capacity} + streaming + 1}, x.options().dtype(at::kInt));
+    at::Tensor memory =
+        at::empty({2 * runs * int64_t{capacity} + runs + streaming + 1}, x.options().dtype(at::kInt));
     int32_t* base = memory.mutable_data_ptr<int32_t>();
-    int32_t* counts = base + 2 * streaming * int64_t{capacity};
-    const Scratch scratch{reinterpret_cast<int2*>(base), reinterpret_cast<uint32_t*>(counts),
-                          reinterpret_cast<float*>(counts + streaming), tiles, streaming, capacity};
+    auto* counts = reinterpret_cast<uint32_t*>(base + 2 * runs * int64_t{capacity});
+    uint32_t* block_counts = counts + runs;
+    const Scratch scratch{reinterpret_cast<int2*>(base), counts, reinterpret_cast<float*>(block_counts + streaming),
+                          tiles, runs, capacity};
     const bool aligned16 = reinterpret_cast<uintptr_t>(in) % 16 == 0;
     const auto* bucket = static_cast<const scalar_t*>(in);
     if (overlap) {
@@ -389,9 +423,9 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
                         scratch.threshold);
     }
     dependent::launch(overlap, kStreaming, streaming, kThreads, shared, stream, bucket, numel, scratch, aligned16,
-                      Zeroes{out, 2 * k});
-    dependent::launch(overlap, place_kernel<scalar_t>, streaming, kThreads, 0, stream, in, numel, scratch, picks,
-                      clear);
+                      Zeroes{out, 2 * k}, block_counts);
+    dependent::launch(overlap, place_kernel<scalar_t>, streaming, kThreads, 0, stream, in, numel, scratch,
+                      static_cast<const uint32_t*>(block_counts), picks, clear);
   });
 }
 
