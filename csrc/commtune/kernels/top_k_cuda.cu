@@ -48,6 +48,17 @@ struct Scratch {
 };
 
 // ---- 2. the streaming pass -----------------------------------------------------------------
+// The sum of `mine` over the calling warp's lanes up to and including this one.
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t mine) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const uint32_t other = __shfl_up_sync(kFull, mine, o);
+    if (lane >= o) mine += other;
+  }
+  return mine;
+}
+
 // Field g (16 bits) of a packed count holds group g's count: a warp's per-group counts (<= 128)
 // scan as 8-bit fields of one 32-bit word, widened by two byte permutes to add up past 255.
 __device__ __forceinline__ uint32_t field(uint64_t packed, int g) {
@@ -207,12 +218,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
     uint32_t packed = 0;  // byte g: group g's count
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) packed |= __popc((flags >> (4 * g)) & 15u) << (8 * g);
-    uint32_t inclusive = packed;  // the warp's scan of the packed counts
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const uint32_t other = __shfl_up_sync(kFull, inclusive, o);
-      if (lane >= o) inclusive += other;
-    }
+    const uint32_t inclusive = warp_inclusive_sum(packed);  // of the packed counts
     const uint64_t total = widen(__shfl_sync(kFull, inclusive, 31));
     const uint32_t count = field(total, 0) + field(total, 1) + field(total, 2) + field(total, 3);
     if (count != 0) {  // the same for every lane
@@ -287,12 +293,7 @@ __device__ __forceinline__ void take(scalar_t* x, const Picks& picks, int64_t n,
 // `totals` is kThreads / 32 words of shared memory, free on entry, in use until the next call.
 __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t mine, uint32_t* totals, uint32_t& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  uint32_t inclusive = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const uint32_t other = __shfl_up_sync(kFull, inclusive, o);
-    if (lane >= o) inclusive += other;
-  }
+  const uint32_t inclusive = warp_inclusive_sum(mine);
   __syncthreads();  // the previous call's totals are read
   if (lane == 31) totals[warp] = inclusive;
   __syncthreads();
@@ -338,12 +339,7 @@ __device__ __forceinline__ void place_run(scalar_t* x, int64_t numel, const Scra
       if (i + e < to && fabsf(v[e]) >= threshold) flags |= 1u << e;
     }
     const uint32_t found = __popc(flags);
-    uint32_t inclusive = found;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const uint32_t other = __shfl_up_sync(kFull, inclusive, o);
-      if (lane >= o) inclusive += other;
-    }
+    const uint32_t inclusive = warp_inclusive_sum(found);
     int64_t n = next + inclusive - found;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
