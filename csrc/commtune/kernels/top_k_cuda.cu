@@ -12,7 +12,8 @@
 //    bucket). A run with more qualifying entries than slots is read again from the bucket.
 // From sm_90 on, each kernel is launched while the one before runs (dependent_launch.cuh): no
 // gaps between them, and the streaming pass's warps load their first tiles while the threshold
-// is found (~9 us), instead of leaving the memory idle until it is found.
+// is found (~12 us on an H100), and ask L2 for the two after them, instead of leaving the memory
+// idle until it is found.
 #include <commtune/kernels/dependent_launch.cuh>
 #include <commtune/kernels/four.cuh>
 #include <commtune/kernels/top_k.h>
@@ -80,6 +81,11 @@ __device__ __forceinline__ uint64_t widen(uint32_t bytes) {
 template <typename scalar_t>
 constexpr int kStages = sizeof(scalar_t) <= 4 ? 2 : 1;
 constexpr int kStreamingBlocksPerSm = 6;
+// Warp tiles past its stages that a warp asks L2 for before the threshold is known: the stages
+// alone (25 MB on an H100) are in ~1.5 us before the search ends, and the memory then waits. Two
+// more tiles a warp keep it busy (a call ~3 us faster on an H100; three, 1.3 us slower than two:
+// topk_l2_ab_session23.json).
+constexpr int kPrefetched = 2;
 // The entries a warp finds collect in shared memory, kBuffered of them, and go to the run's
 // slots in global memory as whole runs when the buffer is full and at the end. Written as they
 // were found, a few for each tile, they cost ~4 us of the 100 MB stream (sectors written in
@@ -123,7 +129,10 @@ __device__ __forceinline__ void wait_copies() {
 
 // The calling warp requests warp tile `tile` into `stage` (zeros past numel): 16-byte
 // asynchronous copies where the whole tile exists and x is 16-byte aligned (`aligned16`; tiles
-// start 1 KB or more apart, so then every piece is), else plain loads and stores.
+// start 1 KB or more apart, so then every piece is), else plain loads and stores. The copies
+// mark their lines in L2 first to go: each is read once, and the slots, the picks and the counts
+// the passes write then stay in L2 instead of going back to memory in the middle of the stream
+// (a call 1.3-2.7 us faster on an H100: topk_l2_ab_session23.json).
 template <typename scalar_t>
 __device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_t numel, int64_t tile, bool aligned16,
                                           scalar_t* stage) {
@@ -135,15 +144,32 @@ __device__ __forceinline__ void copy_tile(const scalar_t* __restrict__ x, int64_
     const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
     constexpr int kPieces = stage_bytes<scalar_t>() / 16;
     static_assert(kPieces % 32 == 0, "a warp tile is whole 16-byte pieces for every lane");
+    uint64_t evict_first;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
 #pragma unroll
     for (int i = 0; i < kPieces / 32; ++i) {
       const int p = lane + 32 * i;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to + 16 * p), "l"(from + 16 * p) : "memory");
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(to + 16 * p),
+                   "l"(from + 16 * p), "l"(evict_first)
+                   : "memory");
     }
     return;
   }
 #endif
   for (int j = lane; j < kWarpTile; j += 32) stage[j] = first + j < numel ? x[first + j] : scalar_t(0);
+}
+
+// Asks L2 for warp tile `tile` (one bulk prefetch) if `wanted`, the tile is before `end`, whole and
+// 16-byte aligned. sm_90 on; elsewhere nothing.
+template <typename scalar_t>
+__device__ __forceinline__ void prefetch_tile(const scalar_t* x, int64_t numel, int64_t tile, int64_t end,
+                                              bool aligned16, bool wanted) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (wanted && aligned16 && tile < end && (tile + 1) * kWarpTile <= numel) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x + tile * kWarpTile), "r"(stage_bytes<scalar_t>())
+                 : "memory");
+  }
+#endif
 }
 
 // slots[written + j] = buffered[j] for j < held, those below the capacity (the calling warp).
@@ -179,6 +205,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
     if (first + s < end) copy_tile(x, numel, first + s, aligned16, stage(s));
     commit_copies();  // empty groups too: the count of groups stays kDepth ahead
   }
+  prefetch_tile(x, numel, first + kDepth + lane, end, aligned16, lane < kPrefetched);
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; w < zeroes.words;
        w += static_cast<int64_t>(gridDim.x) * kThreads) {
     zeroes.piece[w] = 0;
@@ -307,19 +334,30 @@ __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t mine, uint32_t*
   return before;
 }
 
+// Slots of its run a lane of the placing pass loads before it knows where the run's entries go
+// (lane, lane + 32, ...): at a ratio of 1% a run has ~40 entries.
+constexpr int kEarlySlots = 2;
+
 // Run `run`'s entries to their places among the picks, `before` entries ahead of them (the
-// calling warp). A run with more entries than its slots hold, where they matter (the picks are
-// not complete before the slots' last), is read again from the bucket.
+// calling warp; `early`: the lane's first slots of the run). A run with more entries than its
+// slots hold, where they matter (the picks are not complete before the slots' last), is read
+// again from the bucket.
 template <typename scalar_t>
 __device__ __forceinline__ void place_run(scalar_t* x, int64_t numel, const Scratch& scratch, const Picks& picks,
-                                          bool clear, int run, int64_t before, uint32_t count) {
+                                          bool clear, int run, int64_t before, uint32_t count,
+                                          const int2 (&early)[kEarlySlots]) {
   const int lane = threadIdx.x % 32;
   if (run == scratch.runs - 1 && lane == 0) *picks.qualifying = before + count;
   if (before >= picks.k) return;
   if (count <= static_cast<uint32_t>(scratch.capacity) || before + scratch.capacity >= picks.k) {
     const int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
     const auto taken = static_cast<uint32_t>(std::min<int64_t>(count, picks.k - before));
-    for (uint32_t j = lane; j < taken; j += 32) {
+#pragma unroll
+    for (int i = 0; i < kEarlySlots; ++i) {
+      const uint32_t j = lane + 32 * i;
+      if (j < taken) take(x, picks, before + j, early[i].y, __int_as_float(early[i].x), clear);
+    }
+    for (uint32_t j = lane + 32 * kEarlySlots; j < taken; j += 32) {
       const int2 s = slots[j];
       take(x, picks, before + j, s.y, __int_as_float(s.x), clear);
     }
@@ -350,21 +388,32 @@ __device__ __forceinline__ void place_run(scalar_t* x, int64_t numel, const Scra
 }
 
 // One block for each streaming block, one warp for each of its runs: the counts of the blocks
-// and runs before it say where the run's entries go among the picks.
+// and runs before it say where the run's entries go among the picks. Every load a warp needs
+// goes out before any sum: one round trip to L2 rather than three (the counts of the blocks
+// before, then of the runs before, then the slots; a call 0.7 us faster on an H100,
+// topk_l2_ab_session23.json).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t numel, Scratch scratch,
                                                          const uint32_t* block_counts, Picks picks, bool clear) {
   __shared__ uint32_t totals[kThreads / 32];
   dependent::wait_for_prior_grid();  // the streaming pass's counts and slots
-  const int block = blockIdx.x, warp = threadIdx.x / 32;
+  const int block = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int run = block * kWarps + warp;
   uint32_t mine = 0;  // entries found in this thread's share of the blocks before this one
   for (int r = threadIdx.x; r < block; r += kThreads) mine += block_counts[r];
+  const uint32_t lane_run = lane < kWarps ? scratch.counts[block * kWarps + lane] : 0u;  // the block's runs
+  const int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
+  int2 early[kEarlySlots];  // read before the count is known: slots past it are never taken
+#pragma unroll
+  for (int i = 0; i < kEarlySlots; ++i) {
+    const int j = lane + 32 * i;
+    early[i] = j < scratch.capacity ? slots[j] : make_int2(0, 0);
+  }
   uint32_t blocks_before = 0;
   block_exclusive_sum(mine, totals, blocks_before);
-  const int run = block * kWarps + warp;
   int64_t before = blocks_before;
-  for (int w = 0; w < warp; ++w) before += scratch.counts[block * kWarps + w];
-  place_run(x, numel, scratch, picks, clear, run, before, scratch.counts[run]);
+  for (int w = 0; w < warp; ++w) before += __shfl_sync(kFull, lane_run, w);
+  place_run(x, numel, scratch, picks, clear, run, before, __shfl_sync(kFull, lane_run, warp), early);
 }
 
 // Slots a run keeps for its entries: twice the expected number and a buffer's worth, at most
