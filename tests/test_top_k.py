@@ -138,7 +138,7 @@ def test_cuda_and_cpu_pick_the_same(dtype):
         (torch.float64, 0),
     ],
 )
-def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
+def test_cuda_picks_follow_the_rule_with_many_tiles_a_warp(dtype, offset):
     # 15M entries: on an H100 or H200 each warp of the streaming pass takes a run of four or five
     # tiles of 512, the first two loaded while the threshold is found (sm_90 on). A bucket not 16-byte
     # aligned (offset 1; fp16 at offset 4 is 8 bytes off) has its tiles copied entry by entry.
@@ -152,7 +152,7 @@ def test_cuda_picks_follow_the_rule_with_many_tiles_a_block(dtype, offset):
 
 @needs_cuda
 @pytest.mark.needs_cuda
-def test_cuda_picks_follow_the_rule_when_a_block_fills_its_buffer():
+def test_cuda_picks_follow_the_rule_when_a_warp_fills_its_buffer():
     # 7% qualify: a warp of the streaming pass finds ~36 entries in each tile of 512, so its
     # buffer (64) fills within its run of four or five tiles and goes to its slots before the
     # run ends.

@@ -340,18 +340,17 @@ __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t mine, uint32_t*
 constexpr int kEarlySlots = 2;
 
 // Run `run`'s entries to their places among the picks, `before` entries ahead of them (the
-// calling warp; `early`: the lane's first slots of the run). A run with more entries than its
+// calling warp; `slots`: the run's, `early`: the lane's first of them, already loaded). A run with more entries than its
 // slots hold, where they matter (the picks are not complete before the slots' last), is read
 // again from the bucket.
 template <typename scalar_t>
 __device__ __forceinline__ void place_run(scalar_t* x, int64_t numel, const Scratch& scratch, const Picks& picks,
-                                          bool clear, int run, int64_t before, uint32_t count,
+                                          bool clear, int run, int64_t before, uint32_t count, const int2* slots,
                                           const int2 (&early)[kEarlySlots]) {
   const int lane = threadIdx.x % 32;
   if (run == scratch.runs - 1 && lane == 0) *picks.qualifying = before + count;
   if (before >= picks.k) return;
   if (count <= static_cast<uint32_t>(scratch.capacity) || before + scratch.capacity >= picks.k) {
-    const int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
     const auto taken = static_cast<uint32_t>(std::min<int64_t>(count, picks.k - before));
 #pragma unroll
     for (int i = 0; i < kEarlySlots; ++i) {
@@ -414,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
   block_exclusive_sum(mine, totals, blocks_before);
   int64_t before = blocks_before;
   for (int w = 0; w < warp; ++w) before += __shfl_sync(kFull, lane_run, w);
-  place_run(x, numel, scratch, picks, clear, run, before, __shfl_sync(kFull, lane_run, warp), early);
+  place_run(x, numel, scratch, picks, clear, run, before, __shfl_sync(kFull, lane_run, warp), slots, early);
 }
 
 // Slots a run keeps for its entries: twice the expected number and a buffer's worth, at most
