@@ -7,7 +7,11 @@ writes the codes, the scales and the error buffer; reduce reads the ranks' encod
 writes one; dequantize reads the encoded bucket and writes the bucket. The reduce pass of a
 real step handles one shard (1/ranks of the bucket); it is also timed on a shard as large as
 the whole bucket, where its tail no longer dominates, and a copy of as many bytes as the int8
-one-shard reduce shows what that size alone costs.
+one-shard reduce shows what that size alone costs. So does a copy as large as the int4 one-shard
+reduce (half of int8's bytes), and a launch of a one-element kernel: what every pass pays in this
+timing before it moves a byte (its events and its launch; about 3.4 us on an H100). Each one-shard
+reduce is also given as a share of the speed of a copy of its own bytes (information: the bar is
+on the 100 MB copy).
 
 Each pass is timed twice: "ms" as the device runs it, queued behind a spin kernel (in a step,
 earlier work hides the host's launches; the bar is on this time), and "ms_from_idle" from an idle
@@ -75,17 +79,26 @@ def sparsifier_passes(numel, ranks, chunk, device):
 
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
-SMALL_COPY = "device-to-device copy fp32, the int8 one-shard reduce's bytes"
+LAUNCH_ALONE = "device: a one-element add (a launch alone)"
+
+
+def small_copy(kind):
+    """The row of a copy moving as many bytes as `kind`'s one-shard reduce (e4m3 moves int8's)."""
+    return f"device-to-device copy fp32, the {'int8' if kind == 'e4m3' else kind} one-shard reduce's bytes"
 
 
 def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), from_idle=True):
     src = torch.randn(numel, device=device)
     copy = torch.empty_like(src)
-    # a copy moving as many bytes as the int8 reduce of one shard (28 MB of this bucket's 200):
-    # how far a pass that small gets by its size alone (information; the bar's base is the above)
-    small = (ranks + 1) * _C.quantize_layout(numel, ranks, chunk, "int8")[1] // 8
+    one = torch.zeros(1, device=device)
     passes = {"device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel),
-              SMALL_COPY: (lambda: copy[:small].copy_(src[:small]), 8 * small)}
+              LAUNCH_ALONE: (lambda: one.add_(1), 8)}
+    # copies moving as many bytes as the reduces of one shard (28 MB of this bucket's 200 at
+    # int8, 14 MB at int4): how far a pass that small gets by its size alone (information; the
+    # bar's base is the copy above)
+    for kind in ("int8", "int4"):
+        small = (ranks + 1) * _C.quantize_layout(numel, ranks, chunk, kind)[1] // 8
+        passes[small_copy(kind)] = (lambda small=small: copy[:small].copy_(src[:small]), 8 * small)
     wire = {"allreduce_bytes_per_rank": 2 * (ranks - 1) * 4 * numel / ranks}
     for kind in codes:
         more, piece = passes_of(kind, numel, ranks, chunk, device)
@@ -105,6 +118,9 @@ def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), 
     for row in rows.values():
         row["fraction_of_copy_bw"] = row["GBps"] / copy_bw
         row["fraction_of_copy_bw_from_idle"] = row["GBps_from_idle"] / copy_idle
+    for kind in codes:
+        reduce = rows[f"{kind} reduce one shard"]
+        reduce["fraction_of_same_bytes_copy"] = rows[small_copy(kind)]["ms"] / reduce["ms"]
     # the threshold selection's count error on this bucket (normal entries)
     wire["topk_threshold_qualifying_per_k"] = int(qualifying.item()) / k
     return rows, wire
@@ -130,6 +146,11 @@ def main(argv=None):
     for kind in ("int8", "int4", "e4m3"):
         print(f"bytes on the wire per rank ({args.ranks} ranks): Quantize {kind} {wire[f'{kind}_bytes_per_rank']:.0f}, "
               f"ring allreduce {wire['allreduce_bytes_per_rank']:.0f} ({wire[f'{kind}_ratio']:.2f}x less)")
+        copy = rows[small_copy(kind)]
+        print(f"{kind} reduce one shard: {100 * rows[f'{kind} reduce one shard']['fraction_of_same_bytes_copy']:.1f}% "
+              f"of the speed of a copy of its bytes (that copy: {100 * copy['fraction_of_copy_bw']:.1f}% of the "
+              f"100 MB copy's bandwidth)")
+    print(f"a launch alone (one-element add), queued: {1e3 * rows[LAUNCH_ALONE]['ms']:.2f} us")
     print(f"threshold top-k: {wire['topk_threshold_qualifying_per_k']:.3f} k qualified (at most k are taken)")
     bars = {f"{n} >= 80% of copy bandwidth": r["fraction_of_copy_bw"] >= 0.8
             for n, r in rows.items() if not n.startswith("device") and n != EXACT_TOPK}
