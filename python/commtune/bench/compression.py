@@ -9,7 +9,7 @@ real step handles one shard (1/ranks of the bucket); it is also timed on a shard
 the whole bucket, where its tail no longer dominates, and a copy of as many bytes as the int8
 one-shard reduce shows what that size alone costs. So does a copy as large as the int4 one-shard
 reduce (half of int8's bytes), and a launch of a one-element kernel: what every pass pays in this
-timing before it moves a byte (its events and its launch; about 3.4 us on an H100). Each one-shard
+timing besides its own work (its launch and the events; 3.39 us on an H100). Each one-shard
 reduce is also given as a share of the speed of a copy of its own bytes (information: the bar is
 on the 100 MB copy).
 
