@@ -69,6 +69,8 @@ OVERFLOWING = {
     "signsgd": lambda ct: ct.hooks.SignSGD(chunk=64, min_size=0),
     "topk": lambda ct: ct.hooks.TopK(ratio=0.25, min_size=0),
     "topk_threshold": lambda ct: ct.hooks.TopK(ratio=0.25, min_size=0, selection="threshold"),
+    # a NaN never qualifies for the threshold: the first value sent carries it
+    "topk_threshold_nan": lambda ct: ct.hooks.TopK(ratio=0.25, min_size=0, selection="threshold"),
     "randomk": lambda ct: ct.hooks.RandomK(ratio=0.25, min_size=0),
     # draws 1 of the 1024 entries, not the overflowing one: the overflow must still show
     "randomk_sparse": lambda ct: ct.hooks.RandomK(ratio=0.001, min_size=0, seed=1),
@@ -78,8 +80,9 @@ OVERFLOWING = {
 
 
 def _overflow_then_finite(rank, world_size, hook):
-    """One step where one entry of rank 0's gradient is Inf, then two finite steps, through a
-    compressing hook with error feedback, as a loss scaler's overflow would go."""
+    """One step where one entry of rank 0's gradient is Inf (NaN for the hooks named *_nan), then
+    two finite steps, through a compressing hook with error feedback, as a loss scaler's overflow
+    would go."""
     import commtune as ct
 
     torch.manual_seed(0)
@@ -91,7 +94,7 @@ def _overflow_then_finite(rank, world_size, hook):
         if not poisoned["now"]:
             return grad
         grad = grad.clone()
-        grad[3, 7] = float("inf")
+        grad[3, 7] = float("nan") if hook.endswith("_nan") else float("inf")
         return grad
 
     ddp.module.weight.register_hook(poison)

@@ -219,6 +219,27 @@ def test_inf_and_nan_make_their_chunk_not_finite_and_leave_no_error(device, code
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codes", CODES)
+def test_a_chunk_too_small_for_a_normal_scale_encodes_as_zeros_and_keeps_its_error(device, codes):
+    # Chunk 1's values are normal floats (2e-38 to 4e-38) but its scale, absmax / top, would be
+    # subnormal: it is 0 on CPU and GPU alike, the chunk decodes as zeros and the error feedback
+    # keeps its values. (The CPU once took the subnormal scale's infinite inverse and encoded the
+    # chunk as -top or +-top codes.) The other chunks are untouched.
+    numel, ranks, chunk = 4096, 2, 1024
+    g = torch.Generator().manual_seed(9)
+    src = torch.randn(numel, generator=g)
+    sign = torch.where(torch.rand(chunk, generator=g) < 0.5, -1.0, 1.0)
+    src[chunk:2 * chunk] = sign * (1 + torch.rand(chunk, generator=g)) * 2e-38
+    _, error, _, decoded = (t.cpu() for t in round_trip(src.to(device), ranks, chunk, codes=codes)[:4])
+    tiny = torch.zeros(numel, dtype=torch.bool)
+    tiny[chunk:2 * chunk] = True
+    assert bool((decoded[tiny] == 0).all())
+    assert torch.equal(error[tiny], src[tiny])
+    expected, _ = encode(src.masked_fill(tiny, 0), chunk, codes)
+    assert torch.equal(decoded[~tiny], expected[~tiny])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codes", CODES)
 def test_an_infinite_scale_reaches_the_reduced_chunk(device, codes):
     # One rank's chunk overflowed (its scale is Inf): the reduced chunk's values must not be
     # finite on any rank; the other chunk is whole.

@@ -15,7 +15,8 @@ from conftest import DEVICES, needs_cuda
 
 def rule(x, k):
     """The selection in tensor ops: the threshold is the want-th largest |x| of the sample, and
-    the first k entries (by index) at or above it are taken. -> (values, indices, qualifying)."""
+    the first k entries (by index) at or above it are taken; a bucket holding an Inf or a NaN
+    sends NaN as its first value. -> (values, indices, qualifying)."""
     size, stride, want = _C.top_k_sample(x.numel(), k)
     sample = x[: size * stride : stride].float().abs()
     threshold = sample.topk(want).values[-1]
@@ -25,6 +26,8 @@ def rule(x, k):
     indices = torch.zeros(k, dtype=torch.int32)
     values[: taken.numel()] = x[taken].float()
     indices[: taken.numel()] = taken.int()
+    if not torch.isfinite(x.float()).all():
+        values[0] = float("nan")
     return values, indices, qualifying.numel()
 
 
@@ -33,7 +36,7 @@ def assert_cleared_where_taken(on, x, indices, qualifying, k):
     `indices`) cleared, untouched elsewhere."""
     expected = x.clone()
     expected[indices[: min(qualifying, k)].long()] = 0
-    assert torch.equal(on.cpu(), expected)
+    torch.testing.assert_close(on.cpu(), expected, rtol=0, atol=0, equal_nan=True)  # NaNs are never taken
 
 
 def pick(x, k, clear):
@@ -50,7 +53,7 @@ def assert_picks_follow_the_rule(x, on, k, clear):
     values, indices, qualifying = rule(x, k)
     got_values, got_indices, got_qualifying = pick(on, k, clear)
     assert got_qualifying == qualifying
-    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+    assert torch.equal(got_indices, indices) and torch.equal(got_values.view(torch.int32), values.view(torch.int32))
     assert_cleared_where_taken(on, x, indices if clear else indices[:0], qualifying, k)
     return qualifying
 
@@ -98,6 +101,33 @@ def test_the_threshold_is_the_samples_want_th_largest(device, case):
     else:
         x, k = torch.randn(numel, generator=g), (1 if case == "one" else numel // 100)
     assert_picks_follow_the_rule(x, x.to(device), k, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["nan_last", "nans_fill_the_sample", "inf_among_many", "minus_inf_fp16"])
+def test_an_inf_or_nan_anywhere_makes_the_first_value_nan(device, case):
+    # A NaN never qualifies and an Inf may come after the first k picks: the first value sent
+    # carries the overflow instead, so that every rank's sum shows it (a loss scaler then skips
+    # the step). Enough NaNs in the sample make the threshold NaN: nothing qualifies at all.
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(11))
+    k = 3000
+    if case == "nan_last":
+        x[-1] = float("nan")
+    elif case == "nans_fill_the_sample":
+        x[::5] = float("nan")
+    elif case == "inf_among_many":
+        x[100_000:120_000] = 1000.0  # ties at the threshold: 20000 qualify, and the Inf after them is not taken
+        x[250_000] = float("inf")
+    else:
+        x = x.half()
+        x[123_457] = float("-inf")
+    qualifying = assert_picks_follow_the_rule(x, x.clone().to(device), k, True)
+    values, _, _ = pick(x.clone().to(device), k, False)
+    assert torch.isnan(values[0])
+    if case == "nans_fill_the_sample":
+        assert qualifying == 0
+    if case == "inf_among_many":
+        assert qualifying > k
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -186,6 +186,8 @@ COMMTUNE_HD float max_magnitude(float m, float x) {
 #endif
 }
 
+constexpr uint32_t kQuietNanBits = 0x7FC00000u;  // the NaN written where an overflow must show
+
 // Whether a chunk's scale is finite. An Inf or NaN scale marks a chunk that held an Inf or a NaN
 // (or overflowed): it goes on the wire as it is, its values decode to Inf or NaN on every rank,
 // and the reduce makes the chunk's sum NaN.
@@ -195,7 +197,7 @@ COMMTUNE_HD bool finite_scale(float scale) { return scale <= 3.40282347e38f; }
 // (its sum is not a number; the re-encoded scale may not say so, since sums of Inf and -Inf
 // codes are NaN, which the absmax of finite ones does not always keep).
 COMMTUNE_HD float reduced_scale(float scale, bool ranks_finite) {
-  return ranks_finite ? scale : float_from_bits(0x7FC00000u);
+  return ranks_finite ? scale : float_from_bits(kQuietNanBits);
 }
 
 // What a code keeps back of value x for error feedback: x less its level times the scale; nothing
@@ -205,7 +207,17 @@ COMMTUNE_HD float error_of(float x, float level, float scale) {
   return finite_scale(scale) ? add(x, -mul(level, scale)) : 0.0f;
 }
 
-COMMTUNE_HD float scale_of(float absmax, Codes codes) { return div(absmax, top_of(codes)); }
+// A chunk whose scale would be subnormal (absmax below ~top * 2^-126) gets scale 0 and codes 0:
+// its values stay in the error feedback. The GPU's division flushes such a quotient to zero (the
+// build's --use_fast_math); the CPU does the same, where the scale's inverse would overflow and
+// encode the chunk's zeros as -top.
+COMMTUNE_HD float scale_of(float absmax, Codes codes) {
+  const float scale = div(absmax, top_of(codes));
+#if !defined(__CUDA_ARCH__)
+  if (scale < 1.17549435e-38f) return 0.0f;  // FLT_MIN; NaN stays NaN
+#endif
+  return scale;
+}
 
 COMMTUNE_HD float inverse(float scale) { return scale > 0.0f ? div(1.0f, scale) : 0.0f; }
 

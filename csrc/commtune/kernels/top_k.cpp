@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -42,16 +43,20 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
-    std::vector<float> drawn(sample.size);
-    for (int64_t s = 0; s < sample.size; ++s) drawn[s] = std::fabs(static_cast<float>(in[s * sample.stride]));
-    std::nth_element(drawn.begin(), drawn.begin() + (sample.want - 1), drawn.end(), std::greater<float>());
-    const float threshold = drawn[sample.want - 1];
+    std::vector<uint32_t> drawn(sample.size);  // the keys, as the GPU orders them (NaN above Inf)
+    for (int64_t s = 0; s < sample.size; ++s) {
+      drawn[s] = quant::float_bits(std::fabs(static_cast<float>(in[s * sample.stride])));
+    }
+    std::nth_element(drawn.begin(), drawn.begin() + (sample.want - 1), drawn.end(), std::greater<uint32_t>());
+    const float threshold = quant::float_from_bits(drawn[sample.want - 1]);
     int32_t* out = piece.mutable_data_ptr<int32_t>();
     float* values = reinterpret_cast<float*>(out);
     int32_t* indices = out + k;
     int64_t count = 0;
+    float largest = 0.0f;  // Inf or NaN once an entry is
     for (int64_t i = 0; i < numel; ++i) {
       const float value = static_cast<float>(in[i]);
+      largest = quant::max_magnitude(largest, value);
       if (!(std::fabs(value) >= threshold)) continue;
       if (count < k) {
         values[count] = value;
@@ -62,6 +67,7 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
     }
     std::fill(values + std::min(count, k), values + k, 0.0f);
     std::fill(indices + std::min(count, k), indices + k, 0);
+    if (!quant::finite_scale(largest)) values[0] = quant::float_from_bits(quant::kQuietNanBits);
     qualifying.fill_(count);
   });
 }

@@ -5,7 +5,11 @@
 // the entries with |x| >= t qualify, and the first k of them in index order are taken. How many
 // qualify is random (for a ratio of 1%, about k +- 8%); more than k: the rest stay in the error
 // buffer for a later step; fewer: the unused slots send nothing. Both give the same picks on the
-// CPU and the GPU.
+// CPU and the GPU. The sample's keys are |x| as bits (non-negative floats order as their bits),
+// so a NaN ranks above Inf there; but a NaN entry never qualifies (NaN >= t is false), and an Inf
+// may come after the first k. So a bucket holding an Inf or a NaN anywhere sends NaN
+// (quant::kQuietNanBits) as its first pick's value instead: every rank's sum shows the overflow,
+// and a loss scaler skips the step, as with the other compressing hooks.
 #include <ATen/ATen.h>
 
 #include <commtune/kernels/quantize_rules.h>

@@ -37,12 +37,14 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kGroups = 4;  // groups of four entries a lane of the streaming pass holds
 constexpr int64_t kWarpTile = 32 * kGroups * 4;
 // One call's scratch: each run's slots for the entries it finds (value bits, index), their
-// count and the threshold. (The streaming blocks' counts, the sums of their runs', follow the
-// runs' counts; the kernels take them as a parameter of their own.)
+// count, the threshold and whether the bucket holds an Inf or a NaN (top_k.h). (The streaming
+// blocks' counts, the sums of their runs', follow the runs' counts; the kernels take them as a
+// parameter of their own.)
 struct Scratch {
   int2* slots;  // runs x capacity
   uint32_t* counts;  // runs
   float* threshold;
+  uint32_t* overflow;  // cleared by the search, set by the streaming pass
   int64_t tiles;  // warp tiles
   int runs;  // of the streaming pass: kWarps a block, each with a run of whole warp tiles
   int capacity;
@@ -216,6 +218,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
   const float threshold = *scratch.threshold;
   int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
   uint32_t held = 0, written = 0;  // entries in the buffer; entries found before them
+  float largest = 0.0f;  // of the lane's entries: Inf or NaN once one is
   int s = 0;
   for (int64_t tile = first; tile < end; ++tile) {
     wait_copies<kDepth - 1>();  // this lane's copies of this tile (kDepth - 1 later ones may still load)
@@ -230,7 +233,9 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
       const four::Four<scalar_t> v = *reinterpret_cast<const four::Four<scalar_t>*>(values + 4 * lane + 128 * g);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (fabsf(static_cast<float>(v.v[e])) >= threshold) flags |= 1u << (4 * g + e);
+        const float value = static_cast<float>(v.v[e]);
+        if (fabsf(value) >= threshold) flags |= 1u << (4 * g + e);
+        largest = quant::max_magnitude(largest, value);  // zeros past numel change nothing
       }
     }
     const int64_t in_tile = numel - tile * kWarpTile;
@@ -287,6 +292,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
     s = s + 1 == kDepth ? 0 : s + 1;
   }
   write_buffered(buffered, held, slots, written, scratch.capacity);
+  if (__any_sync(kFull, !quant::finite_scale(largest)) && lane == 0) *scratch.overflow = 1u;
   if (lane == 0) {
     scratch.counts[run] = written + held;
     warp_counts[warp] = written + held;
@@ -402,6 +408,7 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
   uint32_t mine = 0;  // entries found in this thread's share of the blocks before this one
   for (int r = threadIdx.x; r < block; r += kThreads) mine += block_counts[r];
   const uint32_t lane_run = lane < kWarps ? scratch.counts[block * kWarps + lane] : 0u;  // the block's runs
+  const bool overflow = *scratch.overflow != 0u;
   const int2* slots = scratch.slots + static_cast<int64_t>(run) * scratch.capacity;
   int2 early[kEarlySlots];  // read before the count is known: slots past it are never taken
 #pragma unroll
@@ -414,6 +421,10 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
   int64_t before = blocks_before;
   for (int w = 0; w < warp; ++w) before += __shfl_sync(kFull, lane_run, w);
   place_run(x, numel, scratch, picks, clear, run, before, __shfl_sync(kFull, lane_run, warp), slots, early);
+  if (overflow && before == 0) {  // the first pick carries the overflow (top_k.h), after its value
+    __syncwarp();
+    if (lane == 0) picks.values[0] = quant::float_from_bits(quant::kQuietNanBits);
+  }
 }
 
 // Slots a run keeps for its entries: twice the expected number and a buffer's worth, at most
@@ -452,20 +463,20 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
     const int64_t run_entries = (tiles + runs - 1) / runs * kWarpTile;
     const int capacity = slots_per_run(sample, run_entries, k);
     at::Tensor memory =
-        at::empty({2 * runs * int64_t{capacity} + runs + streaming + 1}, x.options().dtype(at::kInt));
+        at::empty({2 * runs * int64_t{capacity} + runs + streaming + 2}, x.options().dtype(at::kInt));
     int32_t* base = memory.mutable_data_ptr<int32_t>();
     auto* counts = reinterpret_cast<uint32_t*>(base + 2 * runs * int64_t{capacity});
     uint32_t* block_counts = counts + runs;
     const Scratch scratch{reinterpret_cast<int2*>(base), counts, reinterpret_cast<float*>(block_counts + streaming),
-                          tiles, runs, capacity};
+                          block_counts + streaming + 1, tiles, runs, capacity};
     const bool aligned16 = reinterpret_cast<uintptr_t>(in) % 16 == 0;
     const auto* bucket = static_cast<const scalar_t*>(in);
     if (overlap) {
       dependent::launch_cluster(kSearchBlocks, sample_threshold_kernel<scalar_t, kSearchBlocks>, kSearchBlocks,
-                                kSampleThreads, 0, stream, bucket, sample, scratch.threshold);
+                                kSampleThreads, 0, stream, bucket, sample, scratch.threshold, scratch.overflow);
     } else {
       dependent::launch(false, sample_threshold_kernel<scalar_t, 1>, 1, kSampleThreads, 0, stream, bucket, sample,
-                        scratch.threshold);
+                        scratch.threshold, scratch.overflow);
     }
     dependent::launch(overlap, kStreaming, streaming, kThreads, shared, stream, bucket, numel, scratch, aligned16,
                       Zeroes{out, 2 * k}, block_counts);

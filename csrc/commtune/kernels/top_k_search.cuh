@@ -65,9 +65,11 @@ __device__ __forceinline__ int bin_at(uint32_t digit) {
 // themselves (keys past the sample are 0, which cannot move the want-th largest: want <= the
 // sample's size, and no key is below 0), and every block finds the same digits from the
 // cluster's sums.
+// It also clears `overflow`, which the streaming pass sets where it meets an Inf or a NaN.
 template <typename scalar_t, int kBlocks>
 __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const scalar_t* __restrict__ x,
-                                                                          TopKSample sample, float* threshold) {
+                                                                          TopKSample sample, float* threshold,
+                                                                          uint32_t* overflow) {
   using Blocks = Cluster<kBlocks>;
   constexpr int kRounds = 4, kBins = 256, kBinsPerLane = kBins / 32, kFew = 32;
   constexpr int kKeys = static_cast<int>(kTopKSample / (kBlocks * kSampleThreads));
@@ -77,6 +79,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const 
   __shared__ uint32_t few[kFew];  // the leading block's: the keys matching, once they are few
   __shared__ uint32_t few_count;
   const int rank = Blocks::rank();
+  if (rank == 0 && threadIdx.x == 0) *overflow = 0u;
   uint32_t keys[kKeys];
 #pragma unroll
   for (int j = 0; j < kKeys; ++j) {
