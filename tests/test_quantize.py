@@ -356,6 +356,23 @@ def test_state_dict_carries_the_error_and_resumes_bit_for_bit():
     assert set(state) == {"iteration", "error.0"} and state["error.0"].numel() == 70 * 300
 
 
+def test_passes_refuse_buffers_on_another_device():
+    # A buffer on another device than the bucket would have the CPU loop read a GPU's memory (or
+    # a kernel the host's): refused before any access. The meta device stands in for the other.
+    numel, ranks, chunk = 64, 2, 8
+    _, piece = _C.quantize_layout(numel, ranks, chunk, "int8")
+    src, packed = torch.randn(numel), torch.zeros(ranks * piece, dtype=torch.uint8)
+    elsewhere = torch.empty(ranks * piece, dtype=torch.uint8, device="meta")
+    with pytest.raises(RuntimeError, match="packed buffer must be on cpu"):
+        _C.quantize_shards_(src, None, elsewhere, ranks, chunk, 5, "int8")
+    with pytest.raises(RuntimeError, match="error buffer must be on cpu"):
+        _C.quantize_shards_(src, torch.empty(numel, device="meta"), packed, ranks, chunk, 5, "int8")
+    with pytest.raises(RuntimeError, match="reduced piece must be on cpu"):
+        _C.reduce_shard_(packed, elsewhere[:piece], numel, ranks, chunk, ranks, 5, "int8")
+    with pytest.raises(RuntimeError, match="gathered pieces must be on cpu"):
+        _C.dequantize_shards_(elsewhere, torch.empty(numel), ranks, chunk, "int8")
+
+
 def test_bad_values_are_refused():
     import commtune as ct
 

@@ -38,4 +38,11 @@ inline void check_values(const at::Tensor& t, int64_t numel, const char* scheme,
               t.scalar_type(), " ", shape_of(t));
 }
 
+// A buffer a pass reads or writes beside `on`: on the same device (the CPU loop cannot read a
+// GPU's memory, nor a kernel the host's).
+inline void check_same_device(const at::Tensor& on, const at::Tensor& t, const char* scheme, const char* what) {
+  TORCH_CHECK(t.device() == on.device(), scheme, ": ", what, " must be on ", on.device().str(), " with the rest, got ",
+              t.device().str());
+}
+
 } // namespace commtune

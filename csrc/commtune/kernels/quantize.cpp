@@ -69,8 +69,12 @@ QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, q
 void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
                       const QuantizeLayout& layout, int64_t draws) {
   check_values(src, layout.numel, "Quantize", "the bucket");
-  if (error.defined()) check_values(error, layout.numel, "Quantize", "the error buffer");
+  if (error.defined()) {
+    check_values(error, layout.numel, "Quantize", "the error buffer");
+    check_same_device(src, error, "Quantize", "the error buffer");
+  }
   check_packed(packed, layout.ranks * layout.piece_bytes(), "Quantize", "the packed buffer");
+  check_same_device(src, packed, "Quantize", "the packed buffer");
 #ifdef COMMTUNE_WITH_CUDA
   if (src.is_cuda()) return quantize_shards_cuda_(src, error, packed, layout, draws);
 #endif
@@ -107,7 +111,7 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
   TORCH_CHECK(divisor >= 1, "Quantize: divisor must be >= 1");
   check_packed(received, layout.ranks * layout.piece_bytes(), "Quantize", "the received pieces");
   check_packed(piece, layout.piece_bytes(), "Quantize", "the reduced piece");
-  TORCH_CHECK(received.device() == piece.device(), "Quantize: received and reduced pieces must share a device");
+  check_same_device(received, piece, "Quantize", "the reduced piece");
 #ifdef COMMTUNE_WITH_CUDA
   if (received.is_cuda()) return reduce_shard_cuda_(received, piece, layout, divisor, draws);
 #endif
@@ -138,6 +142,7 @@ void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const Qu
 void dequantize_shards_(const at::Tensor& packed, const at::Tensor& out, const QuantizeLayout& layout) {
   check_packed(packed, layout.ranks * layout.piece_bytes(), "Quantize", "the gathered pieces");
   check_values(out, layout.numel, "Quantize", "the bucket");
+  check_same_device(out, packed, "Quantize", "the gathered pieces");
 #ifdef COMMTUNE_WITH_CUDA
   if (out.is_cuda()) return dequantize_shards_cuda_(packed, out, layout);
 #endif

@@ -21,8 +21,12 @@ SignLayout SignLayout::of(int64_t numel, int64_t chunk) {
 
 void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout) {
   check_values(src, layout.numel, "SignSGD", "the bucket");
-  if (error.defined()) check_values(error, layout.numel, "SignSGD", "the error buffer");
+  if (error.defined()) {
+    check_values(error, layout.numel, "SignSGD", "the error buffer");
+    check_same_device(src, error, "SignSGD", "the error buffer");
+  }
   check_packed(piece, layout.piece_bytes(), "SignSGD", "the encoded piece");
+  check_same_device(src, piece, "SignSGD", "the encoded piece");
 #ifdef COMMTUNE_WITH_CUDA
   if (src.is_cuda()) return sign_encode_cuda_(src, error, piece, layout);
 #endif
@@ -59,6 +63,7 @@ void sign_decode_mean_(const at::Tensor& gathered, const at::Tensor& out, int64_
   TORCH_CHECK(ranks >= 1, "SignSGD: ranks must be >= 1");
   check_packed(gathered, ranks * layout.piece_bytes(), "SignSGD", "the gathered pieces");
   check_values(out, layout.numel, "SignSGD", "the bucket");
+  check_same_device(out, gathered, "SignSGD", "the gathered pieces");
 #ifdef COMMTUNE_WITH_CUDA
   if (out.is_cuda()) return sign_decode_mean_cuda_(gathered, out, ranks, layout);
 #endif
