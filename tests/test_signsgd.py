@@ -70,13 +70,14 @@ def test_pieces_off_a_word_are_refused(device):
 def test_passes_refuse_buffers_on_another_device():
     # as Quantize's (tests/test_quantize.py): the meta device stands in for another device
     numel = 3000
-    bytes_ = _C.sign_piece_bytes(numel, CHUNK)
+    piece = torch.empty(_C.sign_piece_bytes(numel, CHUNK), dtype=torch.uint8)
+    elsewhere = torch.empty(2 * piece.numel(), dtype=torch.uint8, device="meta")
     with pytest.raises(RuntimeError, match="encoded piece must be on cpu"):
-        _C.sign_encode_(torch.ones(numel), None, torch.empty(bytes_, dtype=torch.uint8, device="meta"), CHUNK)
+        _C.sign_encode_(torch.ones(numel), None, elsewhere[:piece.numel()], CHUNK)
     with pytest.raises(RuntimeError, match="error buffer must be on cpu"):
-        _C.sign_encode_(torch.ones(numel), torch.empty(numel, device="meta"), torch.empty(bytes_, dtype=torch.uint8), CHUNK)
+        _C.sign_encode_(torch.ones(numel), torch.empty(numel, device="meta"), piece, CHUNK)
     with pytest.raises(RuntimeError, match="gathered pieces must be on cpu"):
-        _C.sign_decode_mean_(torch.empty(2 * bytes_, dtype=torch.uint8, device="meta"), torch.empty(numel), 2, CHUNK)
+        _C.sign_decode_mean_(elsewhere, torch.empty(numel), 2, CHUNK)
 
 
 def simulate(steps_locals, world):

@@ -346,9 +346,9 @@ __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t mine, uint32_t*
 constexpr int kEarlySlots = 2;
 
 // Run `run`'s entries to their places among the picks, `before` entries ahead of them (the
-// calling warp; `slots`: the run's, `early`: the lane's first of them, already loaded). A run with more entries than its
-// slots hold, where they matter (the picks are not complete before the slots' last), is read
-// again from the bucket.
+// calling warp; `slots`: the run's, `early`: the lane's first of them, already loaded). A run
+// with more entries than its slots hold, where they matter (the picks are not complete before
+// the slots' last), is read again from the bucket.
 template <typename scalar_t>
 __device__ __forceinline__ void place_run(scalar_t* x, int64_t numel, const Scratch& scratch, const Picks& picks,
                                           bool clear, int run, int64_t before, uint32_t count, const int2* slots,
