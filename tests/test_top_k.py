@@ -50,6 +50,7 @@ def pick(x, k, clear):
 def assert_picks_follow_the_rule(x, on, k, clear):
     """One call on `on` (x on a device) against the rule applied to x: the count, the picks in
     order, and the bucket afterwards. Returns how many qualified."""
+    x = x.clone()  # the bucket as it was: on a CPU device `on` may be x itself, cleared by the call
     values, indices, qualifying = rule(x, k)
     got_values, got_indices, got_qualifying = pick(on, k, clear)
     assert got_qualifying == qualifying
