@@ -49,3 +49,6 @@ def test_cast_scale_refuses_bad_arguments():
         _C.cast_scale(torch.ones(4, dtype=torch.int32), 1.0, torch.float16)
     with pytest.raises(RuntimeError, match="must be contiguous"):
         _C.cast_scale(torch.ones(4, 4).t(), 1.0, torch.float16)
+    # a kernel on one device must not touch the other's memory; the meta device stands in for it
+    with pytest.raises(RuntimeError, match="out must be on cpu with the rest, got meta"):
+        _C.cast_scale_(torch.ones(4), 1.0, torch.empty(4, dtype=torch.float16, device="meta"))

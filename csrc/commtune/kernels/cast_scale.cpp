@@ -32,8 +32,7 @@ void cast_scale_(const at::Tensor& src, double scale, const at::Tensor& out) {
   TORCH_CHECK(src.numel() == out.numel(), "cast_scale_: src has ", std::to_string(src.numel()),
               " elements (shape ", shape_of(src), ") but out has ", std::to_string(out.numel()),
               " (shape ", shape_of(out), ")");
-  TORCH_CHECK(src.device() == out.device(), "cast_scale_: src is on ", src.device().str(),
-              " but out on ", out.device().str());
+  check_same_device(src, out, "cast_scale_", "out");
   TORCH_CHECK(src.is_contiguous() && out.is_contiguous(), "cast_scale_: src and out must be contiguous");
   if (src.is_cuda()) {
 #ifdef COMMTUNE_WITH_CUDA
