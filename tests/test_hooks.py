@@ -101,6 +101,9 @@ def test_counters_match_the_model(results, name, ratio):
         assert [b["bytes_in"] for b in s["buckets"]] == expected_bucket_bytes(sizes, rebuilt, STEPS)
         assert s["bytes_out"] * ratio == s["bytes_in"]
         assert s["compression_ratio"] == ratio
+        n = len(results)  # one ring allreduce a bucket: 2 (n - 1) / n of what was handed to it
+        assert s["wire_bytes"] == pytest.approx(2 * (n - 1) / n * s["bytes_out"], rel=1e-12)
+        assert s["wire_ratio"] == pytest.approx(ratio) and s["ranks"] == n
         assert sum(b["calls"] for b in s["buckets"]) == s["calls"]
         assert s["comm_us"] > 0 and s["hook_host_us"] > 0
         assert s["timed_iterations"] == s["iterations"] and s["timed_calls"] == s["calls"]  # host clock: all

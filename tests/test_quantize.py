@@ -341,10 +341,16 @@ def test_counters_count_the_quantized_bytes(world_size, hook, codes):
     stats = run(world_size, hook)[0]["stats"]
     numel, steps = 300 * 70, 4
     shard = math.ceil(math.ceil(numel / world_size) / CHUNK) * CHUNK
-    quantized = world_size * (shard * BITS[codes] // 8 + 4 * shard // CHUNK)
+    piece = shard * BITS[codes] // 8 + 4 * shard // CHUNK  # one shard's codes and scales
+    handed = (world_size + 1) * piece  # every shard to the all-to-all, the reduced one to the all-gather
     assert stats["calls"] == steps and stats["bytes_in"] == steps * numel * 4
-    assert stats["bytes_out"] == steps * quantized
-    assert stats["compression_ratio"] == pytest.approx(numel * 4 / quantized)
+    assert stats["bytes_out"] == steps * handed
+    assert stats["compression_ratio"] == pytest.approx(numel * 4 / handed)
+    # Sent: the n - 1 shards that go elsewhere, then the reduced shard to the n - 1 others.
+    sent = 2 * (world_size - 1) * piece
+    assert stats["wire_bytes"] == pytest.approx(steps * sent, rel=1e-12)
+    ring = 2 * (world_size - 1) / world_size * numel * 4  # a ring allreduce of the fp32 bucket
+    assert stats["wire_ratio"] == pytest.approx(ring / sent)
 
 
 def test_state_dict_carries_the_error_and_resumes_bit_for_bit():

@@ -117,6 +117,11 @@ def test_counters_count_the_packed_bytes(world_size):
     assert stats["calls"] == steps and stats["bytes_in"] == steps * numel * 4
     assert stats["bytes_out"] == steps * piece
     assert stats["compression_ratio"] == pytest.approx(numel * 4 / piece)
+    # An all-gather: this rank's piece goes to each of the n - 1 others, so the saving against a
+    # ring allreduce (2 (n - 1) / n of the bucket) shrinks as ranks are added.
+    sent = (world_size - 1) * piece
+    assert stats["wire_bytes"] == pytest.approx(steps * sent, rel=1e-12)
+    assert stats["wire_ratio"] == pytest.approx(2 * (world_size - 1) / world_size * numel * 4 / sent)
 
 
 def test_state_dict_carries_the_error_and_resumes_bit_for_bit():

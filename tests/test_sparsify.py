@@ -61,11 +61,17 @@ def test_randomk_sends_the_mean_at_shared_positions(world_size):
     assert not torch.equal(first, second)  # new positions every iteration
 
 
-@pytest.mark.parametrize("hook,per_call", [("TopK", 8 * K), ("RandomK", 4 * K)])
-def test_counters_count_what_is_sent(hook, per_call):
-    stats = run(2, hook)[0]["stats"]
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("hook", ["TopK", "RandomK"])
+def test_counters_count_what_is_sent(world_size, hook):
+    stats = run(world_size, hook)[0]["stats"]
     assert stats["calls"] == STEPS and stats["bytes_in"] == STEPS * NUMEL * 4
-    assert stats["bytes_out"] == STEPS * per_call
+    # TopK all-gathers k values and k indices (to each of the n - 1 others); RandomK allreduces
+    # k values (a ring: 2 (n - 1) / n of them).
+    handed, sent = (8 * K, (world_size - 1) * 8 * K) if hook == "TopK" else (4 * K, 2 * (world_size - 1) / world_size * 4 * K)
+    assert stats["bytes_out"] == STEPS * handed
+    assert stats["wire_bytes"] == pytest.approx(STEPS * sent, rel=1e-12)
+    assert stats["wire_ratio"] == pytest.approx(2 * (world_size - 1) / world_size * NUMEL * 4 / sent)
 
 
 @pytest.mark.parametrize("hook", ["TopK", "RandomK"])

@@ -30,6 +30,7 @@ py::dict totals_to_dict(const CounterTotals& t) {
   d["calls"] = t.calls;
   d["bytes_in"] = t.bytes_in;
   d["bytes_out"] = t.bytes_out;
+  d["wire_bytes"] = t.wire_bytes;
   d["hook_host_us"] = t.hook_host_us;
   d["timed_calls"] = t.timed_calls;
   d["comm_us"] = t.comm_us;
@@ -52,6 +53,7 @@ py::dict snapshot_to_dict(const CounterSnapshot& s) {
     span["bucket"] = b.bucket;
     span["bytes_in"] = b.bytes_in;
     span["bytes_out"] = b.bytes_out;
+    span["wire_bytes"] = b.wire_bytes;
     span["host_us"] = b.host_us;
     span["start_us"] = b.start_us;
     span["end_us"] = b.end_us;
@@ -100,6 +102,9 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+
+  m.def("allreduce_wire_bytes", &wire::allreduce, py::arg("bytes"), py::arg("ranks"),
+        "bytes one rank sends in a ring allreduce of `bytes` on `ranks` ranks (nccl-tests' bus traffic)");
 
   py::class_<HookHandle>(m, "HookHandle")
       .def_property_readonly("name", [](const HookHandle& h) { return h.hook->name(); })

@@ -57,7 +57,7 @@ CounterTicket Counters::open(size_t bucket_index, bool is_last, const at::Tensor
     start = TimePoint::now(buffer.device());
   }
   it.records.push_back(Record{bucket_index, buffer.device(),
-                              static_cast<int64_t>(buffer.nbytes()), 0, 0, std::move(start)});
+                              static_cast<int64_t>(buffer.nbytes()), 0, 0.0, 0, std::move(start)});
   const size_t slot = it.records.size() - 1;
   if (is_last) {
     it.saw_last = true;
@@ -73,11 +73,12 @@ Counters::Record& Counters::record(const CounterTicket& ticket) {
   return it.records.at(ticket.slot);
 }
 
-void Counters::launched(const CounterTicket& ticket, double host_us, int64_t bytes_out) {
+void Counters::launched(const CounterTicket& ticket, double host_us, int64_t bytes_out, double wire_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   Record& r = record(ticket);
   r.host_us = host_us;
   r.bytes_out = bytes_out;
+  r.wire_bytes = wire_bytes;
 }
 
 void Counters::close(const CounterTicket& ticket) {
@@ -130,10 +131,12 @@ void Counters::add(const Iteration& it) {
     b.calls += 1;
     b.bytes_in += r.bytes_in;
     b.bytes_out += r.bytes_out;
+    b.wire_bytes += r.wire_bytes;
     b.hook_host_us += r.host_us;
     totals_.total.calls += 1;
     totals_.total.bytes_in += r.bytes_in;
     totals_.total.bytes_out += r.bytes_out;
+    totals_.total.wire_bytes += r.wire_bytes;
     totals_.total.hook_host_us += r.host_us;
     if (!r.end) {
       continue;
@@ -154,7 +157,7 @@ void Counters::add(const Iteration& it) {
     totals_.last_timed.clear();
     for (const Record& r : it.records) {
       if (!r.end) continue;
-      totals_.last_timed.push_back(BucketSpan{static_cast<int64_t>(r.bucket), r.bytes_in, r.bytes_out, r.host_us,
+      totals_.last_timed.push_back(BucketSpan{static_cast<int64_t>(r.bucket), r.bytes_in, r.bytes_out, r.wire_bytes, r.host_us,
                                               first->us_until(*r.start), first->us_until(*r.end)});
     }
   }

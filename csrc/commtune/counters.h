@@ -24,6 +24,7 @@ struct CounterTotals {
   int64_t calls = 0;
   int64_t bytes_in = 0;   // bucket bytes handed to the hook
   int64_t bytes_out = 0;  // bytes this rank handed to collectives
+  double wire_bytes = 0;  // bytes this rank sent, each collective counted as wire.h does
   double hook_host_us = 0;  // host time spent inside the hook
   int64_t timed_calls = 0;  // calls whose times are in comm_us and exposed_comm_us
   double comm_us = 0;  // hand-over until the reduced bucket is ready
@@ -35,6 +36,7 @@ struct BucketSpan {
   int64_t bucket = 0;
   int64_t bytes_in = 0;
   int64_t bytes_out = 0;
+  double wire_bytes = 0;
   double host_us = 0;
   double start_us = 0;  // handed to the hook
   double end_us = 0;  // reduced bucket ready
@@ -71,8 +73,8 @@ class Counters {
  public:
   // A bucket was handed over. The first bucket after an `is_last` one starts a new iteration.
   CounterTicket open(size_t bucket_index, bool is_last, const at::Tensor& buffer);
-  // The hook returned: what it spent on the host and what it put on the wire.
-  void launched(const CounterTicket& ticket, double host_us, int64_t bytes_out);
+  // The hook returned: what it spent on the host, handed to collectives and put on the wire.
+  void launched(const CounterTicket& ticket, double host_us, int64_t bytes_out, double wire_bytes);
   // The reduced bucket is ready (call from the continuation, on its stream).
   void close(const CounterTicket& ticket);
   // The collective failed: the record counts its call and bytes but no time.
@@ -97,6 +99,7 @@ class Counters {
     c10::Device device;
     int64_t bytes_in;
     int64_t bytes_out = 0;
+    double wire_bytes = 0;
     double host_us = 0;
     std::optional<TimePoint> start;  // empty when timing is off
     std::optional<TimePoint> end;  // empty until closed, and when failed or untimed

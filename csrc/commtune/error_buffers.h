@@ -63,7 +63,8 @@ class ErrorFeedbackHook : public Hook {
   }
   // What buckets under `min_size` bytes get: a plain mean allreduce (not worth compressing).
   Launch plain_mean(at::Tensor& buffer) const {
-    return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+    const auto bytes = static_cast<int64_t>(buffer.nbytes());
+    return Launch{allreduce_mean(buffer), nullptr, bytes, wire::allreduce(bytes, world_size())};
   }
   void check_min_size(int64_t min_size) const {
     TORCH_CHECK(min_size >= 0, "commtune.", name(), ": min_size must be >= 0 bytes, got ", std::to_string(min_size));

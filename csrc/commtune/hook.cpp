@@ -111,7 +111,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Hook::launch(c10d::GradBucket& bucket, c
   }
   const double host_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started).count();
-  counters_->launched(ticket, host_us, launch.bytes_out);
+  counters_->launched(ticket, host_us, launch.bytes_out, launch.wire_bytes);
 
   auto counters = counters_;
   auto finish = std::move(launch.finish);

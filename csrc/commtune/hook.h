@@ -9,6 +9,7 @@
 
 #include <commtune/counters.h>
 #include <commtune/launch_thread.h>
+#include <commtune/wire.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -63,11 +64,17 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
 
  protected:
   struct Launch {
+    Launch() = default;
+    // Every field named: a hook that forgets its wire bytes does not compile.
+    Launch(c10::intrusive_ptr<c10::ivalue::Future> future, std::function<at::Tensor(const at::Tensor&)> finish,
+           int64_t bytes_out, double wire_bytes)
+        : future(std::move(future)), finish(std::move(finish)), bytes_out(bytes_out), wire_bytes(wire_bytes) {}
     // Completes with the reduced payload (a tensor, or a list whose first entry it is).
     c10::intrusive_ptr<c10::ivalue::Future> future;
     // Turns the reduced payload into the bucket's result; empty: the payload is the result.
     std::function<at::Tensor(const at::Tensor& reduced)> finish;
-    int64_t bytes_out;
+    int64_t bytes_out = 0;  // handed to collectives
+    double wire_bytes = 0;  // sent by this rank, as wire.h counts each collective
   };
 
   // Launches the bucket's communication without waiting for it.

@@ -1,5 +1,5 @@
 """Command line: `python -m commtune demo [--iterations N] [--warmup N] [--ranks N]`, `python -m commtune bench allreduce ...`,
-`python -m commtune bench plan ...`, `python -m commtune tune nccl ...`."""
+`python -m commtune bench plan|scaling|wire ...`, `python -m commtune tune nccl ...`."""
 import argparse
 import sys
 
@@ -14,8 +14,8 @@ def main(argv=None):
                       help="iterations per hook before the timing and the counters start (default 3)")
     demo.add_argument("--ranks", type=int, default=None,
                       help="number of ranks (default: every GPU, or 2 CPU ranks)")
-    bench = sub.add_parser("bench", help="benchmarks: `bench allreduce|plan|scaling [options]` (see --help there)")
-    bench.add_argument("name", choices=["allreduce", "plan", "scaling"])
+    bench = sub.add_parser("bench", help="benchmarks: `bench allreduce|plan|scaling|wire [options]` (see --help there)")
+    bench.add_argument("name", choices=["allreduce", "plan", "scaling", "wire"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
     tune = sub.add_parser("tune", help="`tune nccl [options]`: measured NCCL settings for a model's buckets")
     tune.add_argument("what", choices=["nccl"])
@@ -27,9 +27,9 @@ def main(argv=None):
         tune_mod.main(args.options)
         return 0
     if args.command == "bench":
-        from .bench import allreduce_sweep, plan, scaling
+        from .bench import allreduce_sweep, plan, scaling, wire
 
-        {"allreduce": allreduce_sweep, "plan": plan, "scaling": scaling}[args.name].main(args.options)
+        {"allreduce": allreduce_sweep, "plan": plan, "scaling": scaling, "wire": wire}[args.name].main(args.options)
         return 0
     if args.command == "demo":
         if args.iterations < 1:

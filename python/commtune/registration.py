@@ -13,9 +13,10 @@ _HANDLE_ATTR = "_commtune_handle"
 class Handle:
     """What `register` returns: counters and hook state of one registered hook."""
 
-    def __init__(self, native, config):
+    def __init__(self, native, config, ranks):
         self._native = native
         self.config = config
+        self.ranks = ranks  # the process group's size, for wire_ratio
         self._micro_steps = 0  # backward passes under commtune.accumulate, communicating or not
 
     def _count_micro_step(self):
@@ -33,7 +34,7 @@ class Handle:
     def stats(self):
         """Counters of every finished iteration since the last reset (see README), and the NCCL
         variables commtune.nccl applied in this process (`nccl`)."""
-        stats = from_counters(self._native.counters())
+        stats = from_counters(self._native.counters(), self.ranks)
         stats["nccl"] = nccl.applied()
         stats["micro_steps"] = self._micro_steps
         return stats
@@ -131,7 +132,7 @@ def register(ddp, hook):
     native = _C.register_built(ddp.reducer, hook._build(ddp.process_group))
     native.set_parameters(list(ddp.module.parameters()))
     ddp.logger._set_comm_hook_name(f"commtune.{hook.name}")
-    handle = Handle(native, hook)
+    handle = Handle(native, hook, ddp.process_group.size())
     setattr(ddp, _HANDLE_ATTR, handle)
     return handle
 

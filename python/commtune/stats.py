@@ -1,26 +1,33 @@
 """Counters as a dict, and as a readable table."""
+from .hooks import _C
 
 COLUMNS = (
     ("calls", "calls", "{:d}"),
     ("bytes_in", "MB in", "{:.2f}"),
     ("bytes_out", "MB out", "{:.2f}"),
     ("compression_ratio", "ratio", "{:.2f}"),
+    ("wire_bytes", "MB sent", "{:.2f}"),
+    ("wire_ratio", "vs allreduce", "{:.2f}"),
     ("hook_host_us", "host ms", "{:.3f}"),
     ("comm_us", "comm ms", "{:.3f}"),
     ("exposed_comm_us", "exposed ms", "{:.3f}"),
 )
-_SCALE = {"bytes_in": 1e-6, "bytes_out": 1e-6, "hook_host_us": 1e-3, "comm_us": 1e-3, "exposed_comm_us": 1e-3}
+_SCALE = {"bytes_in": 1e-6, "bytes_out": 1e-6, "wire_bytes": 1e-6, "hook_host_us": 1e-3, "comm_us": 1e-3, "exposed_comm_us": 1e-3}
 
 
-def _with_ratio(row):
+def _with_ratio(row, ranks):
     row["compression_ratio"] = row["bytes_in"] / row["bytes_out"] if row["bytes_out"] else 0.0
+    # What a ring allreduce of the same buckets would have sent, over what was sent (0: one rank).
+    plain = _C.allreduce_wire_bytes(round(row["bytes_in"]), ranks)
+    row["wire_ratio"] = plain / row["wire_bytes"] if row["wire_bytes"] else 0.0
     return row
 
 
-def from_counters(raw):
-    """Adds the derived keys to the C++ counters' dict."""
-    stats = _with_ratio(dict(raw))
-    stats["buckets"] = [_with_ratio(dict(b)) for b in raw["buckets"]]
+def from_counters(raw, ranks):
+    """Adds the derived keys to the C++ counters' dict of a hook on `ranks` ranks."""
+    stats = _with_ratio(dict(raw), ranks)
+    stats["buckets"] = [_with_ratio(dict(b), ranks) for b in raw["buckets"]]
+    stats["ranks"] = ranks
     return stats
 
 
@@ -31,12 +38,12 @@ def format_table(stats, title=""):
     rows.append(["total"] + _cells(stats))
     n, timed = stats["iterations"], stats["timed_iterations"]
     if n:
-        per_iter = {k: stats[k] / n for k in ("calls", "bytes_in", "bytes_out", "hook_host_us")}
+        per_iter = {k: stats[k] / n for k in ("calls", "bytes_in", "bytes_out", "wire_bytes", "hook_host_us")}
         # Times come from the timed iterations only (one in handle.timing_every on GPUs).
         for k in ("comm_us", "exposed_comm_us"):
             per_iter[k] = stats[k] / timed if timed else 0.0
         per_iter["calls"] = round(per_iter["calls"])
-        rows.append(["per iter"] + _cells(_with_ratio(per_iter)))
+        rows.append(["per iter"] + _cells(_with_ratio(per_iter, stats["ranks"])))
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
     lines = [title] if title else []
     lines.append(f"iterations: {n} ({timed} timed)")

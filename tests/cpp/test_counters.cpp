@@ -14,7 +14,7 @@ void iteration(Counters& c, const std::vector<int64_t>& sizes, int64_t out_divis
   for (size_t b = 0; b < sizes.size(); ++b) {
     at::Tensor buffer = at::empty({sizes[b]});
     auto ticket = c.open(b, b + 1 == sizes.size(), buffer);
-    c.launched(ticket, 1.0, buffer.nbytes() / out_divisor);
+    c.launched(ticket, 1.0, buffer.nbytes() / out_divisor, 1.5 * buffer.nbytes() / out_divisor);
     c.close(ticket);
   }
 }
@@ -28,6 +28,8 @@ TEST(Counters, SumsPerBucketAndPerIteration) {
   EXPECT_EQ(s.total.calls, 6);
   EXPECT_EQ(s.total.bytes_in, 2 * 60 * 4);
   EXPECT_EQ(s.total.bytes_out, 60 * 4 + 30 * 4);
+  EXPECT_DOUBLE_EQ(s.total.wire_bytes, 1.5 * (60 * 4 + 30 * 4));
+  EXPECT_DOUBLE_EQ(s.buckets[2].wire_bytes, 1.5 * (30 * 4 + 15 * 4));
   ASSERT_EQ(s.buckets.size(), 3u);
   EXPECT_EQ(s.buckets[1].calls, 2);
   EXPECT_EQ(s.buckets[1].bytes_in, 2 * 20 * 4);
@@ -79,7 +81,7 @@ TEST(Counters, KeepsTheLatestTimedIterationBucketByBucket) {
   auto first = c.open(0, false, buffer);
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   auto last = c.open(1, true, buffer);
-  c.launched(last, 2.5, 16);
+  c.launched(last, 2.5, 16, 24.0);
   c.close(last);
   c.close(first);
   auto s = c.snapshot();
@@ -89,6 +91,7 @@ TEST(Counters, KeepsTheLatestTimedIterationBucketByBucket) {
   EXPECT_GE(s.last_timed[1].start_us, 5000.0);
   EXPECT_GE(s.last_timed[0].end_us, s.last_timed[1].end_us);  // bucket 0 closed last
   EXPECT_EQ(s.last_timed[1].bytes_out, 16);
+  EXPECT_DOUBLE_EQ(s.last_timed[1].wire_bytes, 24.0);
   EXPECT_DOUBLE_EQ(s.last_timed[1].host_us, 2.5);
 }
 
@@ -96,12 +99,13 @@ TEST(Counters, DroppedRecordsCountBytesButNoTime) {
   Counters c;
   at::Tensor buffer = at::empty({8});
   auto t = c.open(0, true, buffer);
-  c.launched(t, 2.0, 32);
+  c.launched(t, 2.0, 32, 48.0);
   c.drop(t);
   auto s = c.snapshot();
   EXPECT_EQ(s.iterations, 1);
   EXPECT_EQ(s.total.calls, 1);
   EXPECT_EQ(s.total.bytes_out, 32);
+  EXPECT_DOUBLE_EQ(s.total.wire_bytes, 48.0);
   EXPECT_DOUBLE_EQ(s.total.comm_us, 0.0);
 }
 

@@ -7,7 +7,8 @@ AllReduceHook::AllReduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_grou
 
 Hook::Launch AllReduceHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor& buffer = bucket.getBufferRef();
-  return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+  const auto bytes = static_cast<int64_t>(buffer.nbytes());
+  return Launch{allreduce_mean(buffer), nullptr, bytes, wire::allreduce(bytes, world_size())};
 }
 
 } // namespace commtune

@@ -12,13 +12,14 @@ CastHook::CastHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const O
 
 Hook::Launch CastHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor buffer = bucket.getBufferRef();
-  at::Tensor wire = cast_scale(buffer, 1.0 / world_size(), options_.dtype);
-  auto future = allreduce_sum(wire);
+  at::Tensor copy16 = cast_scale(buffer, 1.0 / world_size(), options_.dtype);
+  auto future = allreduce_sum(copy16);
   auto finish = [buffer](const at::Tensor& reduced) mutable {
     buffer.copy_(reduced);
     return buffer;
   };
-  return Launch{std::move(future), std::move(finish), static_cast<int64_t>(wire.nbytes())};
+  const auto bytes = static_cast<int64_t>(copy16.nbytes());
+  return Launch{std::move(future), std::move(finish), bytes, wire::allreduce(bytes, world_size())};
 }
 
 } // namespace commtune

@@ -25,7 +25,7 @@ Hook::Launch FusedHook::communicate(c10d::GradBucket& bucket) {
     auto future = held.future;
     held_.push_back(std::move(held));
     ++held_buckets_;
-    return Launch{future, {}, 0};  // sent, and counted, with a later bucket
+    return Launch{future, {}, 0, 0.0};  // sent, and counted, with a later bucket
   }
   return held_.empty() ? communicate_inner(bucket) : send_fused(bucket);
 }

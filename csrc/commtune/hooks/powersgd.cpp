@@ -107,7 +107,8 @@ void PowerSgdHook::draw_q(BucketState& state, at::ScalarType dtype) {
 Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor buffer = bucket.getBufferRef();
   if (iteration() < options_.start_iter) {
-    return Launch{allreduce_mean(buffer), nullptr, static_cast<int64_t>(buffer.nbytes())};
+    const auto bytes = static_cast<int64_t>(buffer.nbytes());
+    return Launch{allreduce_mean(buffer), nullptr, bytes, wire::allreduce(bytes, world_size())};
   }
   BucketState& state = buckets_[bucket.getIndex()];
   const std::vector<at::Tensor> params = bucket.getParameters();
@@ -208,7 +209,8 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     return buffer;
   };
   const int64_t bytes_out = (plan.rest_numel() + plan.p_numel() + plan.q_numel()) * buffer.element_size();
-  return Launch{std::move(q_future), std::move(finish), bytes_out};
+  // P (with the uncompressed rest) and Q: one allreduce each.
+  return Launch{std::move(q_future), std::move(finish), bytes_out, wire::allreduce(bytes_out, world_size())};
 }
 
 void PowerSgdHook::record_sample(int64_t iteration, const at::Tensor& norms) {

@@ -51,8 +51,10 @@ Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
     record_on_current_stream(received);  // read on the side stream, which this one is behind
     return buffer;
   };
-  // Each collective moves the quantized bucket once, as a ring allreduce does the full one.
-  return Launch{std::move(future), std::move(finish), n * layout.piece_bytes()};
+  // The all-to-all takes the whole quantized bucket, the all-gather this rank's reduced piece.
+  const int64_t piece = layout.piece_bytes();
+  return Launch{std::move(future), std::move(finish), (n + 1) * piece,
+                wire::all_to_all(n * piece, n) + wire::all_gather(piece, n)};
 }
 
 } // namespace commtune

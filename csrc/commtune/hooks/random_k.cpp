@@ -45,7 +45,8 @@ Hook::Launch RandomKHook::communicate(c10d::GradBucket& bucket) {
     record_on_current_stream(positions);
     return buffer;
   };
-  return Launch{std::move(future), std::move(finish), k * static_cast<int64_t>(buffer.element_size())};
+  const int64_t bytes = k * static_cast<int64_t>(buffer.element_size());
+  return Launch{std::move(future), std::move(finish), bytes, wire::allreduce(bytes, n)};
 }
 
 } // namespace commtune

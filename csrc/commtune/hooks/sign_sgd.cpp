@@ -31,7 +31,7 @@ Hook::Launch SignSgdHook::communicate(c10d::GradBucket& bucket) {
     record_on_current_stream(gathered);
     return buffer;
   };
-  return Launch{std::move(future), std::move(finish), layout.piece_bytes()};
+  return Launch{std::move(future), std::move(finish), layout.piece_bytes(), wire::all_gather(layout.piece_bytes(), n)};
 }
 
 } // namespace commtune

@@ -71,7 +71,7 @@ Hook::Launch TopKHook::communicate(c10d::GradBucket& bucket) {
     record_on_current_stream(gathered);
     return buffer;
   };
-  return Launch{std::move(future), std::move(finish), 2 * k * 4};
+  return Launch{std::move(future), std::move(finish), 2 * k * 4, wire::all_gather(2 * k * 4, n)};
 }
 
 } // namespace commtune

@@ -1,6 +1,6 @@
 """Compression kernels on one GPU: each pass of the Quantize scheme (int8, int4 and fp8 e4m3
-codes) on a 100 MB fp32 bucket against a device-to-device copy of the same bucket, and the
-bytes each rank puts on the wire against a ring allreduce of the uncompressed bucket.
+codes) on a 100 MB fp32 bucket against a device-to-device copy of the same bucket (the bytes
+each scheme puts on the wire: benchmarks/wire_bytes.py).
 
 Bandwidth counts the bytes a pass must read and write once: quantize reads the bucket and
 writes the codes, the scales and the error buffer; reduce reads the ranks' encoded shards and
@@ -50,7 +50,7 @@ def passes_of(codes, numel, ranks, chunk, device):
             ranks * whole + whole),
         f"{codes} dequantize": (
             lambda: _C.dequantize_shards_(packed, out, ranks, chunk, codes), ranks * piece + 4 * numel),
-    }, piece
+    }
 
 
 def sparsifier_passes(numel, ranks, chunk, device):
@@ -99,12 +99,8 @@ def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), 
     for kind in ("int8", "int4"):
         small = (ranks + 1) * _C.quantize_layout(numel, ranks, chunk, kind)[1] // 8
         passes[small_copy(kind)] = (lambda small=small: copy[:small].copy_(src[:small]), 8 * small)
-    wire = {"allreduce_bytes_per_rank": 2 * (ranks - 1) * 4 * numel / ranks}
     for kind in codes:
-        more, piece = passes_of(kind, numel, ranks, chunk, device)
-        passes.update(more)
-        wire[f"{kind}_bytes_per_rank"] = 2 * (ranks - 1) * piece
-        wire[f"{kind}_ratio"] = wire["allreduce_bytes_per_rank"] / wire[f"{kind}_bytes_per_rank"]
+        passes.update(passes_of(kind, numel, ranks, chunk, device))
     sparsifiers, qualifying, k = sparsifier_passes(numel, ranks, chunk, device)
     passes.update(sparsifiers)
     rows = {}
@@ -122,8 +118,7 @@ def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), 
         reduce = rows[f"{kind} reduce one shard"]
         reduce["fraction_of_same_bytes_copy"] = rows[small_copy(kind)]["ms"] / reduce["ms"]
     # the threshold selection's count error on this bucket (normal entries)
-    wire["topk_threshold_qualifying_per_k"] = int(qualifying.item()) / k
-    return rows, wire
+    return rows, int(qualifying.item()) / k
 
 
 def main(argv=None):
@@ -138,26 +133,25 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("compression.py times CUDA kernels: it needs a GPU")
     numel = int(args.mb * 1e6) // 4
-    rows, wire = measure(numel, args.ranks, args.chunk, args.iters, torch.device("cuda"), from_idle=not args.no_idle)
+    rows, qualifying_per_k = measure(numel, args.ranks, args.chunk, args.iters, torch.device("cuda"), from_idle=not args.no_idle)
     print(format_rows(["pass", "ms", "GB/s", "of copy", "ms from idle", "of copy from idle"],
                       [[n, f"{r['ms']:.4f}", f"{r['GBps']:.0f}", f"{100 * r['fraction_of_copy_bw']:.1f}%",
                         f"{r['ms_from_idle']:.4f}", f"{100 * r['fraction_of_copy_bw_from_idle']:.1f}%"]
                        for n, r in rows.items()]))
     for kind in ("int8", "int4", "e4m3"):
-        print(f"bytes on the wire per rank ({args.ranks} ranks): Quantize {kind} {wire[f'{kind}_bytes_per_rank']:.0f}, "
-              f"ring allreduce {wire['allreduce_bytes_per_rank']:.0f} ({wire[f'{kind}_ratio']:.2f}x less)")
         copy = rows[small_copy(kind)]
         print(f"{kind} reduce one shard: {100 * rows[f'{kind} reduce one shard']['fraction_of_same_bytes_copy']:.1f}% "
               f"of the speed of a copy of its bytes (that copy: {100 * copy['fraction_of_copy_bw']:.1f}% of the "
               f"100 MB copy's bandwidth)")
     print(f"a launch alone (one-element add), queued: {1e3 * rows[LAUNCH_ALONE]['ms']:.2f} us")
-    print(f"threshold top-k: {wire['topk_threshold_qualifying_per_k']:.3f} k qualified (at most k are taken)")
+    print(f"threshold top-k: {qualifying_per_k:.3f} k qualified (at most k are taken)")
     bars = {f"{n} >= 80% of copy bandwidth": r["fraction_of_copy_bw"] >= 0.8
             for n, r in rows.items() if not n.startswith("device") and n != EXACT_TOPK}
     for bar, ok in bars.items():
         print(f"{'PASS' if ok else 'FAIL'}  {bar}")
     write_results(args.out, {"benchmark": "compression", "environment": environment(), "args": vars(args),
-                             "numel": numel, "passes": rows, "wire": wire, "bars": bars})
+                             "numel": numel, "passes": rows,
+                             "topk_threshold_qualifying_per_k": qualifying_per_k, "bars": bars})
 
 
 if __name__ == "__main__":
