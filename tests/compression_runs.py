@@ -40,12 +40,18 @@ def _step(ddp, local, rank, step):
     return ddp.module.weight.grad.detach().cpu().view(-1), [p.cpu().view(-1) for p in parts]
 
 
-def hook_run(rank, world_size, steps, hook_name, device="cpu"):
-    """Per step: (the hook's gradient, every rank's local gradient); the stats and state_dict."""
+def hook_run(rank, world_size, steps, hook_name, device="cpu", min_size=None):
+    """Per step: (the hook's gradient, every rank's local gradient); the stats and state_dict.
+    `min_size`: the hook's, instead of 0."""
+    import dataclasses
+
     import commtune as ct
 
+    hook = make_hook(hook_name)
+    if min_size is not None:
+        hook = dataclasses.replace(hook, min_size=min_size)
     ids = [torch.cuda.current_device()] if device == "cuda" else None
-    ddp, local = ct.wrap(_model(device), hook=make_hook(hook_name), device_ids=ids), _model(device)
+    ddp, local = ct.wrap(_model(device), hook=hook, device_ids=ids), _model(device)
     out = [_step(ddp, local, rank, s) for s in range(steps)]
     return {"steps": out, "stats": ct.stats(ddp), "state": ct.handle_of(ddp).state_dict()}
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import commtune as ct
 from commtune.nccl import Settings
+from conftest import needs_cuda
 
 
 def test_settings_map_to_nccls_variables():
@@ -137,3 +138,51 @@ def test_init_process_group_applies_settings_before_the_group(tmp_path, monkeypa
         dist.destroy_process_group()
     with pytest.raises(TypeError, match="commtune.nccl.Settings"):
         ct.init_process_group("gloo", settings={"algo": "ring"})
+
+
+def _one_nccl_rank(extra_env):
+    """tests/nccl_one_rank.py in a fresh process with NCCL's INFO log; returns its output."""
+    import subprocess
+    import sys
+
+    from commtune.launch import _free_port
+
+    env = dict(os.environ, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,ENV,TUNING", **extra_env)
+    script = os.path.join(os.path.dirname(__file__), "nccl_one_rank.py")
+    run = subprocess.run([sys.executable, script, str(_free_port())], env=env, capture_output=True, text=True,
+                         timeout=240)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    return out
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+def test_settings_reach_nccl_and_the_process_group_on_a_gpu():
+    out = _one_nccl_rank({})
+    # NCCL's own log: it read the variables apply() set (ALGO and PROTO are read only to tune
+    # collectives of two ranks or more)
+    for line in ("NCCL_BUFFSIZE set by environment to 8388608", "NCCL_NTHREADS set by environment to 256",
+                 "NCCL_MIN_CTAS set by environment to 2", "NCCL_MAX_CTAS set by environment to 8"):
+        assert line in out, out[-3000:]
+    assert "options: high_priority=True min_ctas=2 max_ctas=8" in out  # ProcessGroupNCCL.Options
+    assert ("stats nccl: [('NCCL_BUFFSIZE', '8388608'), ('NCCL_MAX_CTAS', '8'), ('NCCL_MIN_CTAS', '2'), "
+            "('NCCL_NTHREADS', '256')]") in out
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+def test_nccl_loads_the_tuner_plugin_and_its_rules(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None or shutil.which("cc") is None:
+        pytest.skip("needs make and a C compiler to build the plugin")
+    plugin_dir = os.path.join(os.path.dirname(__file__), os.pardir, "csrc", "nccl_tuner")
+    subprocess.run(["make", "-C", plugin_dir], check=True, capture_output=True)
+    rules = tmp_path / "profile.rules"
+    rules.write_text("# commtune NCCL tuner rules\nallreduce 0 1073741824 ring simple\n* 0 0 tree ll\n")
+    out = _one_nccl_rank({"NCCL_TUNER_PLUGIN": os.path.abspath(os.path.join(plugin_dir, "libcommtune_nccl_tuner.so")),
+                          "COMMTUNE_TUNER_RULES": str(rules)})
+    assert "TUNER/Plugin: Using commtune (v5)" in out, out[-3000:]
+    assert "commtune tuner: 2 rule(s) for 1 ranks on 1 node(s)" in out

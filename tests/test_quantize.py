@@ -384,6 +384,9 @@ def test_bad_values_are_refused():
 
     for kw, word in [({"bits": 2}, "bits"), ({"bits": True}, "bits"), ({"chunk": 6}, "chunk"), ({"chunk": 12}, "chunk"),
                      ({"chunk": 16384}, "chunk"), ({"format": "e5m2"}, "format"), ({"format": "e4m3", "bits": 4}, "e4m3"),
-                     ({"stochastic": 1}, "stochastic"), ({"seed": -1}, "seed"), ({"min_size": -5}, "min_size")]:
+                     ({"stochastic": 1}, "stochastic"), ({"seed": -1}, "seed"), ({"min_size": -5}, "min_size"),
+                     ({"bits": 3}, "bits"), ({"chunk": 0}, "chunk"),
+                     ({"seed": 2**63}, r"seed must be an integer in \[0, 2\*\*63\)"),  # the C++ options' int64
+                     ({"min_size": 2**64}, "min_size")]:
         with pytest.raises(ValueError, match=word):
             ct.hooks.Quantize(**kw).validate()

@@ -173,6 +173,6 @@ def test_bad_values_are_refused():
     import commtune as ct
 
     for kw, word in [({"chunk": 48}, "chunk"), ({"chunk": 0}, "chunk"), ({"error_feedback": 1}, "error_feedback"),
-                     ({"min_size": -1}, "min_size")]:
+                     ({"min_size": -1}, "min_size"), ({"min_size": 2**63}, "min_size")]:
         with pytest.raises(ValueError, match=word):
             ct.hooks.SignSGD(**kw).validate()

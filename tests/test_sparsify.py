@@ -88,8 +88,10 @@ def test_bad_values_are_refused():
 
     for config in (ct.hooks.TopK, ct.hooks.RandomK):
         for kw, word in [({"ratio": 0}, "ratio"), ({"ratio": 1.5}, "ratio"), ({"ratio": True}, "ratio"),
-                         ({"error_feedback": "yes"}, "error_feedback"), ({"min_size": -1}, "min_size")]:
+                         ({"error_feedback": "yes"}, "error_feedback"), ({"min_size": -1}, "min_size"),
+                         ({"min_size": 2**63}, "min_size")]:
             with pytest.raises(ValueError, match=word):
                 config(**kw).validate()
-    with pytest.raises(ValueError, match="seed"):
-        ct.hooks.RandomK(seed=-2).validate()
+    for seed in (-2, 2**63):
+        with pytest.raises(ValueError, match="seed"):
+            ct.hooks.RandomK(seed=seed).validate()

@@ -6,6 +6,7 @@ import pytest
 
 import commtune as ct
 from commtune.topology import from_nvml
+from conftest import needs_cuda
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -118,3 +119,21 @@ def test_nvml_bridged_pairs_and_pcie_paths():
     t = from_nvml(nvml)
     assert t.links == load("topo_4gpu_mixed.txt").links  # NV4 within a pair, NODE across
     assert t.kind == "mixed" and all(g.numa is None for g in t.gpus)
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+def test_both_readers_see_this_machines_gpus():
+    import subprocess
+
+    import torch
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        pytest.skip("CUDA_VISIBLE_DEVICES hides GPUs from torch, not from NVML or nvidia-smi")
+    smi = ct.nccl.parse_topo_matrix(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                                   timeout=60).stdout)
+    assert smi.source == "nvidia-smi" and len(smi.gpus) == torch.cuda.device_count()
+    assert ct.nccl.topology().kind == smi.kind
+    pynvml = pytest.importorskip("pynvml")
+    nvml = from_nvml(pynvml)
+    assert len(nvml.gpus) == len(smi.gpus) and nvml.links == smi.links

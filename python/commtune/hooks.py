@@ -83,10 +83,8 @@ class Quantize(HookConfig):
         for flag in ("stochastic", "error_feedback"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Quantize: {flag} must be True or False, got {getattr(self, flag)!r}")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"Quantize: seed must be an integer >= 0, got {self.seed!r}")
-        if not _is_int(self.min_size) or self.min_size < 0:
-            raise ValueError(f"Quantize: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
+        _check_count(self, "seed")
+        _check_count(self, "min_size", " (bytes)")
 
     def _build(self, process_group):
         options = _options(self, _C.QuantizeOptions(), ("chunk", "stochastic", "error_feedback", "seed", "min_size"))
@@ -115,8 +113,7 @@ class SignSGD(HookConfig):
             raise ValueError(f"SignSGD: error_feedback must be True or False, got {self.error_feedback!r}")
         if not _is_int(self.chunk) or self.chunk < 32 or self.chunk % 32:
             raise ValueError(f"SignSGD: chunk must be a positive multiple of 32, got {self.chunk!r}")
-        if not _is_int(self.min_size) or self.min_size < 0:
-            raise ValueError(f"SignSGD: min_size must be an integer >= 0 (bytes), got {self.min_size!r}")
+        _check_count(self, "min_size", " (bytes)")
 
     def _build(self, process_group):
         options = _options(self, _C.SignSgdOptions(), ("chunk", "error_feedback", "min_size"))
@@ -129,8 +126,14 @@ def _check_sparsifier(config):
         raise ValueError(f"{config.name}: ratio must be a number in (0, 1], got {config.ratio!r}")
     if not isinstance(config.error_feedback, bool):
         raise ValueError(f"{config.name}: error_feedback must be True or False, got {config.error_feedback!r}")
-    if not _is_int(config.min_size) or config.min_size < 0:
-        raise ValueError(f"{config.name}: min_size must be an integer >= 0 (bytes), got {config.min_size!r}")
+    _check_count(config, "min_size", " (bytes)")
+
+
+def _check_count(config, field, unit=""):
+    """An integer field the C++ options hold as int64: 0 to 2**63 - 1."""
+    value = getattr(config, field)
+    if not _is_int(value) or not 0 <= value < 2**63:
+        raise ValueError(f"{config.name}: {field} must be an integer in [0, 2**63){unit}, got {value!r}")
 
 
 def _options(config, options, fields):
@@ -176,8 +179,7 @@ class RandomK(HookConfig):
 
     def validate(self):
         _check_sparsifier(self)
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"RandomK: seed must be an integer >= 0, got {self.seed!r}")
+        _check_count(self, "seed")
 
     def _build(self, process_group):
         options = _options(self, _C.RandomKOptions(), ("ratio", "seed", "error_feedback", "min_size"))
