@@ -40,16 +40,14 @@ def _step(ddp, local, rank, step):
     return ddp.module.weight.grad.detach().cpu().view(-1), [p.cpu().view(-1) for p in parts]
 
 
-def hook_run(rank, world_size, steps, hook_name, device="cpu", min_size=None):
+def hook_run(rank, world_size, steps, hook_name, device="cpu", overrides=None):
     """Per step: (the hook's gradient, every rank's local gradient); the stats and state_dict.
-    `min_size`: the hook's, instead of 0."""
+    `overrides`: fields of the hook's configuration to change (e.g. min_size, error_feedback)."""
     import dataclasses
 
     import commtune as ct
 
-    hook = make_hook(hook_name)
-    if min_size is not None:
-        hook = dataclasses.replace(hook, min_size=min_size)
+    hook = dataclasses.replace(make_hook(hook_name), **(overrides or {}))
     ids = [torch.cuda.current_device()] if device == "cuda" else None
     ddp, local = ct.wrap(_model(device), hook=hook, device_ids=ids), _model(device)
     out = [_step(ddp, local, rank, s) for s in range(steps)]
@@ -71,3 +69,17 @@ def resume_run(rank, world_size, steps, split, hook_name):
     ct.handle_of(second).load_state_dict(ct.handle_of(first).state_dict())
     resumed = [_step(second, local, rank, s)[0] for s in range(split, steps)]
     return {"straight": straight[split:], "resumed": resumed}
+
+
+def assert_steps_stand_alone(results, simulate, **close):
+    """Without error feedback each step is the scheme applied to that step's gradients alone:
+    `simulate` (steps of every rank's gradients -> the scheme's result per step, with error
+    feedback) given one step at a time; no error is kept. Where the error would have been carried,
+    the result differs from the simulation with it, so the check can tell the two apart."""
+    steps = results[0]["steps"]
+    carried = simulate([grads for _, grads in steps])
+    for r in results:
+        assert not [key for key in r["state"] if key.startswith("error.")]
+        for ours, grads in r["steps"]:
+            torch.testing.assert_close(ours, simulate([grads])[0], **close)
+    assert not torch.equal(steps[-1][0], carried[-1])

@@ -11,7 +11,7 @@ STEPS = 2
 
 
 def run(hook, min_size):
-    return distributed.run(compression_runs.hook_run, 2, STEPS, hook, "cpu", min_size)[0]
+    return distributed.run(compression_runs.hook_run, 2, STEPS, hook, "cpu", {"min_size": min_size})[0]
 
 
 @pytest.mark.parametrize("hook", ["Quantize", "SignSGD", "TopK", "RandomK"])

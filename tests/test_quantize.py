@@ -325,6 +325,11 @@ def test_hook_on_nccl_equals_the_simulated_scheme(hook, codes):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+def test_without_error_feedback_each_step_stands_alone():
+    results = distributed.run(compression_runs.hook_run, 2, 3, "Quantize-nearest", "cpu", {"error_feedback": False})
+    compression_runs.assert_steps_stand_alone(results, lambda steps: simulate(steps, 2, CHUNK), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stochastic_hook_is_close_to_the_mean_and_ranks_agree(world_size):
     results = run(world_size, "Quantize")

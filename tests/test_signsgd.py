@@ -109,6 +109,11 @@ def test_hook_equals_the_simulated_scheme_and_ranks_agree(world_size):
             assert torch.equal(ours, first)
 
 
+def test_without_error_feedback_each_step_stands_alone():
+    results = distributed.run(compression_runs.hook_run, 2, 3, "SignSGD", "cpu", {"error_feedback": False})
+    compression_runs.assert_steps_stand_alone(results, lambda steps: simulate(steps, 2), rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_counters_count_the_packed_bytes(world_size):
     stats = run(world_size)[0]["stats"]

@@ -48,6 +48,11 @@ def test_topk_equals_the_simulated_scheme(world_size):
             assert int((ours != 0).sum()) <= world_size * K
 
 
+def test_topk_without_error_feedback_each_step_stands_alone():
+    results = distributed.run(compression_runs.hook_run, 2, 3, "TopK", "cpu", {"error_feedback": False})
+    compression_runs.assert_steps_stand_alone(results, lambda steps: simulate_topk(steps, 2), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_randomk_sends_the_mean_at_shared_positions(world_size):
     results = run(world_size, "RandomK-no-feedback")
@@ -59,6 +64,24 @@ def test_randomk_sends_the_mean_at_shared_positions(world_size):
             assert torch.equal(r["steps"][step][0], ours)
     first, second = results[0]["steps"][0][0] != 0, results[0]["steps"][1][0] != 0
     assert not torch.equal(first, second)  # new positions every iteration
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_randomk_with_error_feedback_equals_the_simulated_scheme(world_size):
+    # The positions are the hook's (where its result is not zero: the same on every rank, as the
+    # test above checks); the rest is simulated: each rank sends its error plus gradient there,
+    # the mean lands there, and what was sent leaves the error buffer.
+    results = run(world_size, "RandomK")
+    errors = [torch.zeros(NUMEL) for _ in range(world_size)]
+    for ours, grads in results[0]["steps"]:
+        taken = ours != 0
+        sent = [errors[r] + grads[r] for r in range(world_size)]
+        expected = torch.zeros(NUMEL)
+        expected[taken] = torch.stack([s[taken] for s in sent]).mean(0)
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-9)
+        for r in range(world_size):
+            errors[r] = torch.where(taken, 0.0, sent[r])
+    assert not torch.equal(errors[0], torch.zeros(NUMEL))  # the error carried something
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
