@@ -67,8 +67,8 @@ class FakeNvml:
         def __init__(self, bus):
             self.busId = bus.encode()
 
-    def __init__(self, links, ancestor=40, numa=None):
-        self.links, self.ancestor, self.numa = links, ancestor, numa or {}
+    def __init__(self, links, ancestor=40, numa=None, cpus=None):
+        self.links, self.ancestor, self.numa, self.cpus = links, ancestor, numa or {}, cpus or {}
         self.shut = False
 
     def nvmlInit(self):
@@ -97,8 +97,22 @@ class FakeNvml:
     def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
         return self.ancestor
 
-    def nvmlDeviceGetNumaNodeId(self, h):
-        return self.numa.get(h, -1)
+    @staticmethod
+    def mask(ids, words):
+        out = [0] * words
+        for i in ids:
+            out[i // 64] |= 1 << (i % 64)
+        return out
+
+    def nvmlDeviceGetCpuAffinity(self, h, words):
+        return self.mask(self.cpus.get(h, []), words)
+
+    def nvmlDeviceGetMemoryAffinity(self, h, words, scope):
+        assert scope == 0  # NVML_AFFINITY_SCOPE_NODE: NUMA nodes, not sockets
+        return self.mask([self.numa[h]] if h in self.numa else [], words)
+
+    def nvmlDeviceGetNumaNodeId(self, h):  # the GPU's own memory node: not the affinity
+        raise self.NVMLError("Not Supported")
 
 
 def gpu_bus(i):
@@ -107,11 +121,14 @@ def gpu_bus(i):
 
 def test_nvml_nvswitch_machine_matches_nvidia_smis_view():
     switch = "00000000:C0:00.0"
-    nvml = FakeNvml({i: [switch] * 18 for i in range(8)}, numa={i: i // 4 for i in range(8)})
+    sockets = [list(range(0, 52)) + list(range(104, 156)), list(range(52, 104)) + list(range(156, 208))]
+    nvml = FakeNvml({i: [switch] * 18 for i in range(8)}, numa={i: i // 4 for i in range(8)},
+                    cpus={i: sockets[i // 4] for i in range(8)})
     t = from_nvml(nvml)
     assert t.source == "nvml" and nvml.shut
-    assert t.links == load("topo_8gpu_nvswitch.txt").links
-    assert t.summary() == load("topo_8gpu_nvswitch.txt").summary()
+    smi = load("topo_8gpu_nvswitch.txt")
+    assert t.links == smi.links and t.gpus == smi.gpus  # the CPU lists and NUMA nodes as nvidia-smi gives them
+    assert t.summary() == smi.summary()
 
 
 def test_nvml_bridged_pairs_and_pcie_paths():
@@ -136,4 +153,4 @@ def test_both_readers_see_this_machines_gpus():
     assert ct.nccl.topology().kind == smi.kind
     pynvml = pytest.importorskip("pynvml")
     nvml = from_nvml(pynvml)
-    assert len(nvml.gpus) == len(smi.gpus) and nvml.links == smi.links
+    assert nvml.gpus == smi.gpus and nvml.links == smi.links  # CPU lists and NUMA nodes too

@@ -104,6 +104,41 @@ _NVML_LEVELS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"
 _NVML_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS on Hopper
 
 
+_NVML_AFFINITY_SCOPE_NODE = 0
+_NVML_MASK_WORDS = 64  # 64-bit words asked for: up to 4096 CPUs or NUMA nodes
+
+
+def _set_bits(words):
+    """The indices set in an NVML mask (an array of 64-bit words, lowest first)."""
+    return [64 * w + b for w, word in enumerate(words) for b in range(64) if int(word) >> b & 1]
+
+
+def _ranges(ids):
+    """[0, 1, 2, 5] -> "0-2,5", as nvidia-smi writes a CPU list."""
+    spans = []
+    for i in ids:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+
+
+def _nvml_affinity(nvml, handle):
+    """(CPU list, NUMA node) nearest the GPU, as nvidia-smi's "CPU Affinity" and "NUMA Affinity"
+    columns give them (not nvmlDeviceGetNumaNodeId: the GPU's own memory node, which only
+    coherent-memory systems have). None where NVML does not know."""
+    try:
+        cpus = _ranges(_set_bits(nvml.nvmlDeviceGetCpuAffinity(handle, _NVML_MASK_WORDS))) or None
+    except (AttributeError, nvml.NVMLError):
+        cpus = None
+    try:
+        nodes = _set_bits(nvml.nvmlDeviceGetMemoryAffinity(handle, _NVML_MASK_WORDS, _NVML_AFFINITY_SCOPE_NODE))
+    except (AttributeError, nvml.NVMLError):
+        nodes = []
+    return cpus, nodes[0] if nodes else None
+
+
 def _bus_id(pci):
     bus = pci.busId
     return (bus.decode() if isinstance(bus, bytes) else bus).lower()
@@ -141,13 +176,7 @@ def from_nvml(nvml):
                 else:
                     level = nvml.nvmlDeviceGetTopologyCommonAncestor(hi, hj)
                     links[i, j] = _NVML_LEVELS.get(int(level), "SYS")
-        gpus = []
-        for i, h in enumerate(handles):
-            try:
-                numa = int(nvml.nvmlDeviceGetNumaNodeId(h))
-            except (AttributeError, nvml.NVMLError):
-                numa = None
-            gpus.append(Gpu(i, None, numa if numa is not None and numa >= 0 else None))
+        gpus = [Gpu(i, *_nvml_affinity(nvml, h)) for i, h in enumerate(handles)]
         return Topology(gpus, links, "nvml")
     finally:
         nvml.nvmlShutdown()
