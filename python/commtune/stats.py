@@ -12,10 +12,11 @@ COLUMNS = (
     ("comm_us", "comm ms", "{:.3f}"),
     ("exposed_comm_us", "exposed ms", "{:.3f}"),
 )
-_SCALE = {"bytes_in": 1e-6, "bytes_out": 1e-6, "wire_bytes": 1e-6, "hook_host_us": 1e-3, "comm_us": 1e-3, "exposed_comm_us": 1e-3}
+_SCALE = {"bytes_in": 1e-6, "bytes_out": 1e-6, "wire_bytes": 1e-6,
+          "hook_host_us": 1e-3, "comm_us": 1e-3, "exposed_comm_us": 1e-3}
 
 
-def _with_ratio(row, ranks):
+def _with_ratios(row, ranks):
     row["compression_ratio"] = row["bytes_in"] / row["bytes_out"] if row["bytes_out"] else 0.0
     # What a ring allreduce of the same buckets would have sent, over what was sent (0: one rank).
     plain = _C.allreduce_wire_bytes(round(row["bytes_in"]), ranks)
@@ -25,8 +26,8 @@ def _with_ratio(row, ranks):
 
 def from_counters(raw, ranks):
     """Adds the derived keys to the C++ counters' dict of a hook on `ranks` ranks."""
-    stats = _with_ratio(dict(raw), ranks)
-    stats["buckets"] = [_with_ratio(dict(b), ranks) for b in raw["buckets"]]
+    stats = _with_ratios(dict(raw), ranks)
+    stats["buckets"] = [_with_ratios(dict(b), ranks) for b in raw["buckets"]]
     stats["ranks"] = ranks
     return stats
 
@@ -43,7 +44,7 @@ def format_table(stats, title=""):
         for k in ("comm_us", "exposed_comm_us"):
             per_iter[k] = stats[k] / timed if timed else 0.0
         per_iter["calls"] = round(per_iter["calls"])
-        rows.append(["per iter"] + _cells(_with_ratio(per_iter, stats["ranks"])))
+        rows.append(["per iter"] + _cells(_with_ratios(per_iter, stats["ranks"])))
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
     lines = [title] if title else []
     lines.append(f"iterations: {n} ({timed} timed)")
