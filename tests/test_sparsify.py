@@ -91,7 +91,10 @@ def test_counters_count_what_is_sent(world_size, hook):
     assert stats["calls"] == STEPS and stats["bytes_in"] == STEPS * NUMEL * 4
     # TopK all-gathers k values and k indices (to each of the n - 1 others); RandomK allreduces
     # k values (a ring: 2 (n - 1) / n of them).
-    handed, sent = (8 * K, (world_size - 1) * 8 * K) if hook == "TopK" else (4 * K, 2 * (world_size - 1) / world_size * 4 * K)
+    if hook == "TopK":
+        handed, sent = 8 * K, (world_size - 1) * 8 * K
+    else:
+        handed, sent = 4 * K, 2 * (world_size - 1) / world_size * 4 * K
     assert stats["bytes_out"] == STEPS * handed
     assert stats["wire_bytes"] == pytest.approx(STEPS * sent, rel=1e-12)
     assert stats["wire_ratio"] == pytest.approx(2 * (world_size - 1) / world_size * NUMEL * 4 / sent)

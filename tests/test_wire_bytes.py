@@ -11,7 +11,8 @@ def test_every_scheme_sends_what_its_formula_says(ranks, tmp_path):
     out = tmp_path / "wire.json"
     cli(["bench", "wire", "--ranks", str(ranks), "--mb", "0.5", "--out", str(out)])
     data = json.loads(out.read_text())
-    assert data["world_size"] == ranks and data["bars"] == {"bytes on the wire per rank equal the analytic figure": True}
+    assert data["world_size"] == ranks
+    assert data["bars"] == {"bytes on the wire per rank equal the analytic figure": True}
     rows = {r["scheme"]: r for r in data["rows"]}
     assert len(rows) == 8 and all(r["equal"] and r["calls"] == 2 for r in rows.values())
     plain = rows["AllReduce (default DDP)"]

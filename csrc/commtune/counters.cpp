@@ -157,8 +157,8 @@ void Counters::add(const Iteration& it) {
     totals_.last_timed.clear();
     for (const Record& r : it.records) {
       if (!r.end) continue;
-      totals_.last_timed.push_back(BucketSpan{static_cast<int64_t>(r.bucket), r.bytes_in, r.bytes_out, r.wire_bytes, r.host_us,
-                                              first->us_until(*r.start), first->us_until(*r.end)});
+      totals_.last_timed.push_back(BucketSpan{static_cast<int64_t>(r.bucket), r.bytes_in, r.bytes_out, r.wire_bytes,
+                                              r.host_us, first->us_until(*r.start), first->us_until(*r.end)});
     }
   }
   totals_.iterations += 1;

@@ -61,11 +61,6 @@ class ErrorFeedbackHook : public Hook {
       return parameter_of_entry(key, "error.", value.numel());
     });
   }
-  // What buckets under `min_size` bytes get: a plain mean allreduce (not worth compressing).
-  Launch plain_mean(at::Tensor& buffer) const {
-    const auto bytes = static_cast<int64_t>(buffer.nbytes());
-    return Launch{allreduce_mean(buffer), nullptr, bytes, wire::allreduce(bytes, world_size())};
-  }
   void check_min_size(int64_t min_size) const {
     TORCH_CHECK(min_size >= 0, "commtune.", name(), ": min_size must be >= 0 bytes, got ", std::to_string(min_size));
   }

@@ -105,6 +105,11 @@ class Hook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessG
   // Mean-allreduces `tensor` in place. On NCCL the 1/world_size factor rides in
   // the collective (PREMUL_SUM); elsewhere one scale pass runs first.
   c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(at::Tensor& tensor) const;
+  // The whole bucket as one mean allreduce, uncompressed, with its bytes counted.
+  Launch plain_mean(at::Tensor& buffer) const {
+    const auto bytes = static_cast<int64_t>(buffer.nbytes());
+    return Launch{allreduce_mean(buffer), nullptr, bytes, wire::allreduce(bytes, world_size())};
+  }
   // Runs `work` once `done` has completed. On a GPU it is queued on commtune's side stream
   // (side_stream.h) behind `done`, so the stream of backward does not wait; on CPU the host waits.
   static void after_on_side_stream(const at::Tensor& like, const c10::intrusive_ptr<c10::ivalue::Future>& done,

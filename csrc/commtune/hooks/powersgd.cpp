@@ -107,8 +107,7 @@ void PowerSgdHook::draw_q(BucketState& state, at::ScalarType dtype) {
 Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
   at::Tensor buffer = bucket.getBufferRef();
   if (iteration() < options_.start_iter) {
-    const auto bytes = static_cast<int64_t>(buffer.nbytes());
-    return Launch{allreduce_mean(buffer), nullptr, bytes, wire::allreduce(bytes, world_size())};
+    return plain_mean(buffer);
   }
   BucketState& state = buckets_[bucket.getIndex()];
   const std::vector<at::Tensor> params = bucket.getParameters();

@@ -133,7 +133,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("compression.py times CUDA kernels: it needs a GPU")
     numel = int(args.mb * 1e6) // 4
-    rows, qualifying_per_k = measure(numel, args.ranks, args.chunk, args.iters, torch.device("cuda"), from_idle=not args.no_idle)
+    rows, qualifying_per_k = measure(numel, args.ranks, args.chunk, args.iters, torch.device("cuda"),
+                                     from_idle=not args.no_idle)
     print(format_rows(["pass", "ms", "GB/s", "of copy", "ms from idle", "of copy from idle"],
                       [[n, f"{r['ms']:.4f}", f"{r['GBps']:.0f}", f"{100 * r['fraction_of_copy_bw']:.1f}%",
                         f"{r['ms_from_idle']:.4f}", f"{100 * r['fraction_of_copy_bw_from_idle']:.1f}%"]

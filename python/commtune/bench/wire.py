@@ -83,10 +83,12 @@ def run(rank, world_size, args):
         expected = args.iters * formula(numel, world_size)
         rows.append({"scheme": name, "calls": s["calls"], "bytes_in_per_rank": s["bytes_in"] / s["calls"],
                      "wire_bytes_per_rank": s["wire_bytes"] / s["calls"], "formula_per_rank": expected / s["calls"],
-                     "vs_ring_allreduce": s["wire_ratio"], "equal": math.isclose(s["wire_bytes"], expected, rel_tol=1e-12)})
+                     "vs_ring_allreduce": s["wire_ratio"],
+                     "equal": math.isclose(s["wire_bytes"], expected, rel_tol=1e-12)})
         del ddp, model
     if rank == 0:
-        print(format_rows(["scheme", "bytes in", "sent (counters)", "sent (formula)", "x fewer than a ring allreduce", "equal"],
+        header = ["scheme", "bytes in", "sent (counters)", "sent (formula)", "x fewer than a ring allreduce", "equal"]
+        print(format_rows(header,
                           [[r["scheme"], f"{r['bytes_in_per_rank']:.0f}", f"{r['wire_bytes_per_rank']:.0f}",
                             f"{r['formula_per_rank']:.0f}", f"{r['vs_ring_allreduce']:.2f}",
                             "yes" if r["equal"] else "NO"] for r in rows]))
