@@ -53,8 +53,13 @@ def format_table(stats, title=""):
     return "\n".join(lines)
 
 
+# A ratio over nothing (one rank sends no bytes; Fused hands a held bucket nothing) reads "-".
+_RATIO_OVER = {"compression_ratio": "bytes_out", "wire_ratio": "wire_bytes"}
+
+
 def _cells(row):
-    return [fmt.format(row[key] * _SCALE.get(key, 1)) for key, _, fmt in COLUMNS]
+    return ["-" if key in _RATIO_OVER and not row[_RATIO_OVER[key]] else fmt.format(row[key] * _SCALE.get(key, 1))
+            for key, _, fmt in COLUMNS]
 
 
 def chrome_trace_events(stats, rank=0):
