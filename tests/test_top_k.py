@@ -31,12 +31,15 @@ def rule(x, k):
     return values, indices, qualifying.numel()
 
 
-def assert_cleared_where_taken(on, x, indices, qualifying, k):
-    """The bucket after a call: x with the taken entries (the first min(qualifying, k) of
-    `indices`) cleared, untouched elsewhere."""
+def assert_cleared_where_taken(on, x, indices, qualifying, k, clear):
+    """The bucket after a call: with `clear`, x with the taken entries (the first
+    min(qualifying, k) of `indices`) and every Inf and NaN cleared, untouched elsewhere;
+    without, x as it was."""
     expected = x.clone()
-    expected[indices[: min(qualifying, k)].long()] = 0
-    torch.testing.assert_close(on.cpu(), expected, rtol=0, atol=0, equal_nan=True)  # NaNs are never taken
+    if clear:
+        expected[indices[: min(qualifying, k)].long()] = 0
+        expected[~torch.isfinite(expected)] = 0
+    torch.testing.assert_close(on.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
 def pick(x, k, clear):
@@ -55,7 +58,7 @@ def assert_picks_follow_the_rule(x, on, k, clear):
     got_values, got_indices, got_qualifying = pick(on, k, clear)
     assert got_qualifying == qualifying
     assert torch.equal(got_indices, indices) and torch.equal(got_values.view(torch.int32), values.view(torch.int32))
-    assert_cleared_where_taken(on, x, indices if clear else indices[:0], qualifying, k)
+    assert_cleared_where_taken(on, x, indices, qualifying, k, clear)
     return qualifying
 
 

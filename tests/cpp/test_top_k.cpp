@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <tuple>
 
 namespace {
@@ -68,6 +70,24 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::make_tuple<int64_t, int64_t>(100003, 1000),
                                          std::make_tuple<int64_t, int64_t>(50, 50)),
                        ::testing::Bool()));
+
+TEST(ThresholdTopKEdges, ClearingAlsoZeroesEveryInfAndNaN) {
+  // Ties at 1000 fill the k picks before the Inf; the NaN never qualifies. Neither is taken, and
+  // an error buffer must keep neither: clearing zeroes them with the picks.
+  at::Tensor x = bucket(100000, at::kFloat);
+  x.slice(0, 20000, 22000).fill_(1000.0);
+  x[50000] = std::numeric_limits<float>::infinity();
+  x[60000] = std::numeric_limits<float>::quiet_NaN();
+  const Taken expected = rule(x, 1000);
+  at::Tensor on = x.clone();
+  const Taken got = pick(on, 1000, true);
+  EXPECT_TRUE(at::equal(got.indices, expected.indices));
+  EXPECT_TRUE(std::isnan(got.values[0].item<float>()));  // the overflow reaches every rank
+  at::Tensor cleared = x.clone().index_fill_(0, expected.indices.to(at::kLong), 0);
+  cleared[50000] = 0;
+  cleared[60000] = 0;
+  EXPECT_TRUE(at::equal(on, cleared));
+}
 
 TEST(ThresholdTopKEdges, AllZerosQualifyAndTheFirstKAreTaken) {
   const Taken got = pick(at::zeros({1000}), 10, false);

@@ -20,8 +20,7 @@ at::Tensor TopKHook::pick(const at::Tensor& x, int64_t k) {
   at::Tensor piece = at::empty({2 * k}, x.options().dtype(at::kInt));
   if (options_.selection == Selection::threshold) {
     at::Tensor qualifying = at::empty({1}, x.options().dtype(at::kLong));
-    threshold_top_k_(x, k, piece, qualifying, options_.error_feedback);
-    if (options_.error_feedback) keep_finite(x);
+    threshold_top_k_(x, k, piece, qualifying, options_.error_feedback);  // clears an overflow too
     std::lock_guard<std::mutex> lock(qualifying_mutex_);
     if (!qualifying_total_.defined()) qualifying_total_ = at::zeros({1}, qualifying.options());
     qualifying_total_.add_(qualifying);

@@ -57,6 +57,7 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
     for (int64_t i = 0; i < numel; ++i) {
       const float value = static_cast<float>(in[i]);
       largest = quant::max_magnitude(largest, value);
+      if (clear && !std::isfinite(value)) in[i] = scalar_t(0);  // taken or not: the picks keep it
       if (!(std::fabs(value) >= threshold)) continue;
       if (count < k) {
         values[count] = value;

@@ -22,8 +22,10 @@ constexpr int64_t kTopKSample = 16384;
 
 // Writes the taken entries to `piece` (int32, 2k: k values as float32 bits, then k indices);
 // the slots past the number taken get value 0 at index 0, which adds nothing. With `clear`, the
-// taken entries of x become 0 (they are sent in full). `qualifying` (int64, one element, on x's
-// device) receives how many entries qualified: the count error is that minus k.
+// taken entries of x become 0 (they are sent in full), and so does every Inf and NaN entry, so
+// that an error buffer keeps nothing of an overflow (on CUDA a pass of its own, which in a
+// bucket with none ends as it starts: no second read of the bucket). `qualifying` (int64, one
+// element, on x's device) receives how many entries qualified: the count error is that minus k.
 void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
                       bool clear);
 

@@ -10,6 +10,8 @@
 // 3. A block for each streaming block, a warp for each run, adds up the counts of the runs before
 //    it and copies the run's entries to their places among the first k (and clears them from the
 //    bucket). A run with more qualifying entries than slots is read again from the bucket.
+// 4. With `clear`, when the bucket holds an Inf or a NaN, their entries become 0 (a kernel of its
+//    own, after every read of the bucket; with none, each block reads one flag and ends).
 // From sm_90 on, each kernel is launched while the one before runs (dependent_launch.cuh): no
 // gaps between them, and the streaming pass's warps load their first tiles while the threshold
 // is found (~12 us on an H100), and ask L2 for the two after them, instead of leaving the memory
@@ -427,6 +429,16 @@ __global__ void __launch_bounds__(kThreads) place_kernel(scalar_t* x, int64_t nu
   }
 }
 
+// ---- 4. the overflow's clearing -------------------------------------------------------------
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) clear_overflow_kernel(scalar_t* x, int64_t numel, const uint32_t* overflow) {
+  dependent::wait_for_prior_grid();  // the placing pass's reads of the bucket, and the flag
+  if (*overflow == 0u) return;
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < numel; i += int64_t{gridDim.x} * kThreads) {
+    if (!isfinite(static_cast<float>(x[i]))) x[i] = scalar_t(0);
+  }
+}
+
 // Slots a run keeps for its entries: twice the expected number and a buffer's worth, at most
 // the run's entries or k (entries past the k-th of a run are never taken). Runs with more (and
 // picks still to take) are read again: correct, slower.
@@ -482,6 +494,10 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
                       Zeroes{out, 2 * k}, block_counts);
     dependent::launch(overlap, place_kernel<scalar_t>, streaming, kThreads, 0, stream, in, numel, scratch,
                       static_cast<const uint32_t*>(block_counts), picks, clear);
+    if (clear) {
+      dependent::launch(overlap, clear_overflow_kernel<scalar_t>, 2 * sms, kThreads, 0, stream, in, numel,
+                        static_cast<const uint32_t*>(scratch.overflow));
+    }
   });
 }
 

@@ -18,6 +18,7 @@ earlier work hides the host's launches; the bar is on this time), and "ms_from_i
 device, host launch latency included (what the sixth and seventh sessions reported).
 """
 import argparse
+import itertools
 
 import torch
 
@@ -53,10 +54,13 @@ def passes_of(codes, numel, ranks, chunk, device):
     }
 
 
-def sparsifier_passes(numel, ranks, chunk, device):
+def sparsifier_passes(numel, ranks, chunk, device, calls=1):
     """SignSGD's two kernels, and TopK's two selections at ratio 0.01: the threshold one
-    (commtune's kernels: a sampled threshold, then one pass) and the exact one (torch.topk: a
-    radix select, not a sort; not ours, so outside the bar)."""
+    (commtune's kernels: a sampled threshold, then one pass), alone and as the hook runs it with
+    error feedback (clearing what it takes, and any Inf or NaN, from the bucket), and the exact one
+    (torch.topk: a radix select, not a sort; not ours, so outside the bar). The clearing pass gets
+    a copy of the bucket for each of its first `calls` calls (then they repeat), so that no timed
+    call sees what an earlier one cleared."""
     src = torch.randn(numel, device=device)
     error = torch.empty_like(src)
     out = torch.empty_like(src)
@@ -67,9 +71,13 @@ def sparsifier_passes(numel, ranks, chunk, device):
     k = numel // 100
     piece_k = torch.empty(2 * k, dtype=torch.int32, device=device)
     qualifying = torch.empty(1, dtype=torch.int64, device=device)
+    fresh, turn = src.expand(calls, numel).clone(), itertools.count()
+    cleared = torch.empty_like(qualifying)
     return {
         "top-k select, ratio 0.01 (threshold)": (lambda: _C.threshold_top_k_(src, k, piece_k, qualifying, False),
                                                  4 * numel + 8 * k),
+        TOPK_AS_THE_HOOK: (lambda: _C.threshold_top_k_(fresh[next(turn) % calls], k, piece_k, cleared, True),
+                           4 * numel + 8 * k + 4 * k),
         "sign encode (error feedback)": (lambda: _C.sign_encode_(src, error, gathered[:piece], chunk),
                                          4 * numel + 4 * numel + piece),
         f"sign decode the mean of {ranks} ranks": (lambda: _C.sign_decode_mean_(gathered, out, ranks, chunk),
@@ -79,7 +87,12 @@ def sparsifier_passes(numel, ranks, chunk, device):
 
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
+TOPK_AS_THE_HOOK = "top-k select and clear, ratio 0.01 (threshold, error feedback: the hook's call)"
 LAUNCH_ALONE = "device: a one-element add (a launch alone)"
+# A full read and write of the bucket: what TopK's error feedback ran after the threshold
+# selection to keep its buffer finite, before the selection took that over (twenty-sixth session).
+NAN_TO_NUM = "device: nan_to_num_ of the bucket (a pass of its own)"
+WARMUP = 3  # untimed calls before each timing
 
 
 def small_copy(kind):
@@ -92,7 +105,8 @@ def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), 
     copy = torch.empty_like(src)
     one = torch.zeros(1, device=device)
     passes = {"device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel),
-              LAUNCH_ALONE: (lambda: one.add_(1), 8)}
+              LAUNCH_ALONE: (lambda: one.add_(1), 8),
+              NAN_TO_NUM: (lambda: copy.nan_to_num_(0.0, 0.0, 0.0), 8 * numel)}
     # copies moving as many bytes as the reduces of one shard (28 MB of this bucket's 200 at
     # int8, 14 MB at int4): how far a pass that small gets by its size alone (information; the
     # bar's base is the copy above)
@@ -101,12 +115,13 @@ def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), 
         passes[small_copy(kind)] = (lambda small=small: copy[:small].copy_(src[:small]), 8 * small)
     for kind in codes:
         passes.update(passes_of(kind, numel, ranks, chunk, device))
-    sparsifiers, qualifying, k = sparsifier_passes(numel, ranks, chunk, device)
+    calls = (2 if from_idle else 1) * (iters + WARMUP)  # every call of the clearing pass
+    sparsifiers, qualifying, k = sparsifier_passes(numel, ranks, chunk, device, calls)
     passes.update(sparsifiers)
     rows = {}
     for name, (fn, nbytes) in passes.items():
-        ms = cuda_time_ms(fn, iters, queued=True)
-        idle = cuda_time_ms(fn, iters) if from_idle else float("nan")
+        ms = cuda_time_ms(fn, iters, WARMUP, queued=True)
+        idle = cuda_time_ms(fn, iters, WARMUP) if from_idle else float("nan")
         rows[name] = {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
                       "ms_from_idle": idle, "GBps_from_idle": nbytes / idle / 1e6}
     copy_bw = rows["device-to-device copy fp32"]["GBps"]
@@ -146,6 +161,8 @@ def main(argv=None):
               f"100 MB copy's bandwidth)")
     print(f"a launch alone (one-element add), queued: {1e3 * rows[LAUNCH_ALONE]['ms']:.2f} us")
     print(f"threshold top-k: {qualifying_per_k:.3f} k qualified (at most k are taken)")
+    print(f"TopK's error-feedback call: {1e3 * rows[TOPK_AS_THE_HOOK]['ms']:.2f} us; the nan_to_num_ pass it "
+          f"no longer runs after it: {1e3 * rows[NAN_TO_NUM]['ms']:.2f} us")
     bars = {f"{n} >= 80% of copy bandwidth": r["fraction_of_copy_bw"] >= 0.8
             for n, r in rows.items() if not n.startswith("device") and n != EXACT_TOPK}
     for bar, ok in bars.items():
