@@ -4,9 +4,9 @@
 namespace commtune {
 
 // Random-k sparsification with error feedback: every rank draws the same k = ceil(ratio *
-// numel) positions (with replacement) from a generator seeded by (seed, iteration, bucket), so
-// only the values travel, in one sum allreduce; the mean lands at those positions and zeros
-// elsewhere. What was not sent stays in the error buffer.
+// numel) positions (with replacement) by a hash of (seed, iteration, bucket), on the bucket's
+// device (kernels/random_k.h), so only the values travel, in one sum allreduce; the mean lands
+// at those positions and zeros elsewhere. What was not sent stays in the error buffer.
 class RandomKHook : public ErrorFeedbackHook {
  public:
   struct Options {

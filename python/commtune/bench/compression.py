@@ -55,8 +55,8 @@ def passes_of(codes, numel, ranks, chunk, device):
 
 
 def sparsifier_passes(numel, ranks, chunk, device, calls=1):
-    """SignSGD's two kernels, and TopK's two selections at ratio 0.01: the threshold one
-    (commtune's kernels: a sampled threshold, then one pass), alone and as the hook runs it with
+    """SignSGD's two kernels, RandomK's two passes, and TopK's two selections, at ratio 0.01: the
+    threshold one (commtune's kernels: a sampled threshold, then one pass), alone and as the hook runs it with
     error feedback (clearing what it takes, and any Inf or NaN, from the bucket), and the exact one
     (torch.topk: a radix select, not a sort; not ours, so outside the bar). The clearing pass gets
     a copy of the bucket for each of its first `calls` calls (then they repeat), so that no timed
@@ -72,12 +72,16 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
     piece_k = torch.empty(2 * k, dtype=torch.int32, device=device)
     qualifying = torch.empty(1, dtype=torch.int64, device=device)
     fresh, turn = src.expand(calls, numel).clone(), itertools.count()
+    # RandomK clears the same positions every call with the same seed: one spare bucket will do.
+    spare, drawn = src.clone(), torch.empty(k, device=device)
     cleared = torch.empty_like(qualifying)
     return {
         "top-k select, ratio 0.01 (threshold)": (lambda: _C.threshold_top_k_(src, k, piece_k, qualifying, False),
                                                  4 * numel + 8 * k),
         TOPK_AS_THE_HOOK: (lambda: _C.threshold_top_k_(fresh[next(turn) % calls], k, piece_k, cleared, True),
                            4 * numel + 8 * k + 4 * k),
+        RANDOMK_TAKE: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True), 4 * numel + 12 * k),
+        RANDOMK_PLACE: (lambda: _C.random_k_place_(drawn, RANDOMK_SEED, out, ranks), 4 * numel + 8 * k),
         "sign encode (error feedback)": (lambda: _C.sign_encode_(src, error, gathered[:piece], chunk),
                                          4 * numel + 4 * numel + piece),
         f"sign decode the mean of {ranks} ranks": (lambda: _C.sign_decode_mean_(gathered, out, ranks, chunk),
@@ -87,6 +91,9 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
 
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
+RANDOMK_TAKE = "random-k take, ratio 0.01 (gather, overflow check, clear: error feedback)"
+RANDOMK_PLACE = "random-k place the mean of 8 ranks, ratio 0.01 (zero the bucket, scatter)"
+RANDOMK_SEED = 2026
 TOPK_AS_THE_HOOK = "top-k select and clear, ratio 0.01 (threshold, error feedback: the hook's call)"
 LAUNCH_ALONE = "device: a one-element add (a launch alone)"
 # A full read and write of the bucket: what TopK's error feedback ran after the threshold

@@ -1,0 +1,69 @@
+#include <commtune/kernels/random_k.h>
+
+#include <commtune/shape.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace commtune {
+namespace {
+
+void check_pair(const at::Tensor& bucket, const at::Tensor& values, const char* bucket_is) {
+  TORCH_CHECK(bucket.dim() == 1 && bucket.is_contiguous() && bucket.is_floating_point() && bucket.numel() > 0,
+              "RandomK: ", bucket_is, " must be a non-empty contiguous 1-D floating-point tensor, got ",
+              bucket.scalar_type(), " ", shape_of(bucket));
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && values.numel() > 0 &&
+                  values.scalar_type() == bucket.scalar_type(),
+              "RandomK: the values must be a non-empty contiguous 1-D tensor of ", bucket.scalar_type(), ", got ",
+              values.scalar_type(), " ", shape_of(values));
+  check_same_device(bucket, values, "RandomK", "the values");
+}
+
+}  // namespace
+
+void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear) {
+  check_pair(x, values, "the bucket");
+#ifdef COMMTUNE_WITH_CUDA
+  if (x.is_cuda()) return random_k_take_cuda_(x, seed, values, clear);
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "random_k_take", [&] {
+    scalar_t* in = x.mutable_data_ptr<scalar_t>();
+    scalar_t* out = values.mutable_data_ptr<scalar_t>();
+    const int64_t numel = x.numel(), k = values.numel();
+    for (int64_t j = 0; j < k; ++j) out[j] = in[random_k_position(seed, j, numel)];  // all reads first
+    bool overflow = false;
+    for (int64_t i = 0; i < numel; ++i) {
+      if (std::isfinite(static_cast<at::opmath_type<scalar_t>>(in[i]))) continue;
+      overflow = true;
+      if (clear) in[i] = scalar_t(0);
+    }
+    if (clear) {
+      for (int64_t j = 0; j < k; ++j) in[random_k_position(seed, j, numel)] = scalar_t(0);
+    }
+    if (overflow) out[0] = static_cast<scalar_t>(quant::float_from_bits(quant::kQuietNanBits));
+  });
+}
+
+void random_k_place_(const at::Tensor& summed, uint64_t seed, const at::Tensor& out, int64_t ranks) {
+  check_pair(out, summed, "the bucket");
+  TORCH_CHECK(ranks >= 1, "RandomK: ranks must be at least 1, got ", std::to_string(ranks));
+#ifdef COMMTUNE_WITH_CUDA
+  if (out.is_cuda()) return random_k_place_cuda_(summed, seed, out, ranks);
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "random_k_place", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* in = summed.const_data_ptr<scalar_t>();
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+    const int64_t numel = out.numel(), k = summed.numel();
+    std::fill(dst, dst + numel, scalar_t(0));
+    for (int64_t j = 0; j < k; ++j) {
+      dst[random_k_position(seed, j, numel)] =
+          static_cast<scalar_t>(static_cast<opmath_t>(in[j]) / static_cast<opmath_t>(ranks));
+    }
+  });
+}
+
+} // namespace commtune
