@@ -69,13 +69,18 @@ __global__ void __launch_bounds__(kThreads) clear_kernel(scalar_t* x, int64_t nu
   for (int64_t j = first; j < k; j += int64_t{gridDim.x} * kThreads) x[random_k_position(seed, j, numel)] = scalar_t(0);
 }
 
+// a / b rounded as the CPU rounds it: the build's --use_fast_math would approximate a float
+// division (a double one stays exact).
+__device__ __forceinline__ float exact_div(float a, float b) { return quant::div(a, b); }
+__device__ __forceinline__ double exact_div(double a, double b) { return a / b; }
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) place_kernel(const scalar_t* summed, int64_t k, uint64_t seed,
                                                           scalar_t* out, int64_t numel, int64_t ranks) {
   using opmath_t = at::opmath_type<scalar_t>;
   for (int64_t j = blockIdx.x * int64_t{kThreads} + threadIdx.x; j < k; j += int64_t{gridDim.x} * kThreads) {
     out[random_k_position(seed, j, numel)] =
-        static_cast<scalar_t>(static_cast<opmath_t>(summed[j]) / static_cast<opmath_t>(ranks));
+        static_cast<scalar_t>(exact_div(static_cast<opmath_t>(summed[j]), static_cast<opmath_t>(ranks)));
   }
 }
 
