@@ -32,6 +32,7 @@ Hook::Launch RandomKHook::communicate(c10d::GradBucket& bucket) {
   const int64_t n = world_size();
   auto finish = [buffer, seed, n](const at::Tensor& summed) mutable {
     random_k_place_(summed, seed, buffer, n);
+    record_on_current_stream(summed);  // read on the side stream: not to be reused before that
     return buffer;
   };
   const int64_t bytes = k * static_cast<int64_t>(buffer.element_size());
