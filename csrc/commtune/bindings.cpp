@@ -212,14 +212,8 @@ PYBIND11_MODULE(_C, m) {
   // RandomK's passes on their own (kernel tests and benchmarks); see random_k.h.
   m.def("random_k_take_", &random_k_take_, py::arg("x"), py::arg("seed"), py::arg("values"), py::arg("clear"));
   m.def("random_k_place_", &random_k_place_, py::arg("summed"), py::arg("seed"), py::arg("out"), py::arg("ranks"));
-  m.def("random_k_positions", [](int64_t numel, int64_t k, uint64_t seed) {
-    TORCH_CHECK(numel > 0 && k > 0, "RandomK: numel and k must be positive, got ", std::to_string(numel), " and ",
-                std::to_string(k));
-    at::Tensor out = at::empty({k}, at::kLong);
-    int64_t* p = out.mutable_data_ptr<int64_t>();
-    for (int64_t j = 0; j < k; ++j) p[j] = random_k_position(seed, j, numel);
-    return out;
-  }, py::arg("numel"), py::arg("k"), py::arg("seed"), "the k positions a draw takes (on the CPU)");
+  m.def("random_k_positions", &random_k_positions, py::arg("numel"), py::arg("k"), py::arg("seed"),
+        "the k positions a draw takes (on the CPU)");
   // The sign compression's passes on their own (kernel tests); see sign.h.
   m.def("sign_piece_bytes", [](int64_t numel, int64_t chunk) { return SignLayout::of(numel, chunk).piece_bytes(); },
         py::arg("numel"), py::arg("chunk"));

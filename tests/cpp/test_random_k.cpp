@@ -9,11 +9,7 @@
 
 namespace {
 
-at::Tensor positions(int64_t numel, int64_t k, uint64_t seed) {
-  at::Tensor p = at::empty({k}, at::kLong);
-  for (int64_t j = 0; j < k; ++j) p[j] = commtune::random_k_position(seed, j, numel);
-  return p;
-}
+at::Tensor positions(int64_t numel, int64_t k, uint64_t seed) { return commtune::random_k_positions(numel, k, seed); }
 
 class RandomKTake : public ::testing::TestWithParam<std::tuple<at::ScalarType, bool>> {};
 

@@ -4,7 +4,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 
 #include <cmath>
 
@@ -23,6 +22,15 @@ void check_pair(const at::Tensor& bucket, const at::Tensor& values, const char* 
 }
 
 }  // namespace
+
+at::Tensor random_k_positions(int64_t numel, int64_t k, uint64_t seed) {
+  TORCH_CHECK(numel > 0 && k > 0, "RandomK: numel and k must be positive, got ", std::to_string(numel), " and ",
+              std::to_string(k));
+  at::Tensor out = at::empty({k}, at::kLong);
+  int64_t* p = out.mutable_data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j) p[j] = random_k_position(seed, j, numel);
+  return out;
+}
 
 void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear) {
   check_pair(x, values, "the bucket");

@@ -20,6 +20,9 @@ COMMTUNE_HD int64_t random_k_position(uint64_t seed, int64_t j, int64_t numel) {
 #endif
 }
 
+// The k positions a draw takes, as a CPU int64 tensor (tests and the binding's check of them).
+at::Tensor random_k_positions(int64_t numel, int64_t k, uint64_t seed);
+
 // values (x's dtype, k = values.numel() entries) = x at the k drawn positions. An Inf or a NaN
 // anywhere in x makes values[0] NaN, so that every rank's sum shows the overflow (a loss scaler
 // then skips the step). With `clear` (error feedback: x is the error buffer), the drawn

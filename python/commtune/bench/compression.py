@@ -81,7 +81,7 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
         TOPK_AS_THE_HOOK: (lambda: _C.threshold_top_k_(fresh[next(turn) % calls], k, piece_k, cleared, True),
                            4 * numel + 8 * k + 4 * k),
         RANDOMK_TAKE: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True), 4 * numel + 12 * k),
-        RANDOMK_PLACE: (lambda: _C.random_k_place_(drawn, RANDOMK_SEED, out, ranks), 4 * numel + 8 * k),
+        randomk_place(ranks): (lambda: _C.random_k_place_(drawn, RANDOMK_SEED, out, ranks), 4 * numel + 8 * k),
         "sign encode (error feedback)": (lambda: _C.sign_encode_(src, error, gathered[:piece], chunk),
                                          4 * numel + 4 * numel + piece),
         f"sign decode the mean of {ranks} ranks": (lambda: _C.sign_decode_mean_(gathered, out, ranks, chunk),
@@ -92,7 +92,6 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
 RANDOMK_TAKE = "random-k take, ratio 0.01 (gather, overflow check, clear: error feedback)"
-RANDOMK_PLACE = "random-k place the mean of 8 ranks, ratio 0.01 (zero the bucket, scatter)"
 RANDOMK_SEED = 2026
 TOPK_AS_THE_HOOK = "top-k select and clear, ratio 0.01 (threshold, error feedback: the hook's call)"
 LAUNCH_ALONE = "device: a one-element add (a launch alone)"
@@ -100,6 +99,10 @@ LAUNCH_ALONE = "device: a one-element add (a launch alone)"
 # selection to keep its buffer finite, before the selection took that over (twenty-sixth session).
 NAN_TO_NUM = "device: nan_to_num_ of the bucket (a pass of its own)"
 WARMUP = 3  # untimed calls before each timing
+
+
+def randomk_place(ranks):
+    return f"random-k place the mean of {ranks} ranks, ratio 0.01 (zero the bucket, scatter)"
 
 
 def small_copy(kind):
