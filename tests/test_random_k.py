@@ -1,6 +1,8 @@
 """RandomK's passes (kernels/random_k.h) against the same steps in ATen ops at the draw's
-positions: the draw itself (uniform, with replacement, the same on CPU and CUDA), taking with and
-without clearing, an overflow anywhere reaching the first value, and placing the mean."""
+positions: the draw itself (one entry of each stratum, uniform within it, the same on CPU and
+CUDA), taking with and without clearing, an overflow anywhere reaching the first value, and
+placing the mean. The CUDA kernels cut the bucket into slices of 16384 entries: the shapes below
+put strata across slices, many strata in one, and a bucket that starts off a 16-byte boundary."""
 import pytest
 import torch
 
@@ -8,6 +10,22 @@ from commtune import _C
 from conftest import DEVICES
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+# (numel, k): strata of ~33 entries; three strata over five slices; one entry each; one stratum
+SHAPES = [(100_000, 3_000), (70_001, 3), (40_000, 40_000), (50_000, 1)]
+
+
+def strata_starts(numel, k):
+    """Stratum s holds entries floor(s numel / k) to floor((s + 1) numel / k) - 1."""
+    return torch.arange(k + 1, dtype=torch.long) * numel // k
+
+
+def on_device(x, device, offset):
+    """A copy of x on the device starting `offset` elements into its storage (off alignment)."""
+    base = torch.empty(x.numel() + offset, dtype=x.dtype, device=device)
+    base[offset:] = x.to(device)
+    return base[offset:]
 
 
 def take(x, k, seed, clear):
@@ -18,7 +36,7 @@ def take(x, k, seed, clear):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_draw_is_the_same_everywhere_and_new_each_seed(device):
-    numel, k = 1_000_003, 10_000
+    numel, k = 1_000_003, 1_000  # strata of 1000 entries: another seed picks the same one in 1/1000
     positions = _C.random_k_positions(numel, k, 12345)
     assert positions.min() >= 0 and positions.max() < numel
     # Taking from x = arange gives the positions themselves (exact in float64 below 2^53).
@@ -29,28 +47,43 @@ def test_the_draw_is_the_same_everywhere_and_new_each_seed(device):
     assert (other == positions).float().mean() < 0.01  # another step's seed: other positions
 
 
-def test_the_draw_is_uniform_with_replacement():
-    numel, k = 1000, 1_000_000
-    counts = torch.bincount(_C.random_k_positions(numel, k, 7), minlength=numel).double()
-    expected = k / numel
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    # 999 degrees of freedom: mean 999, standard deviation ~44.7; 5 of them either way
-    assert 999 - 5 * 44.7 < chi2 < 999 + 5 * 44.7
-    # k = numel draws with replacement leave about 1/e of the positions undrawn
-    few = torch.bincount(_C.random_k_positions(100_000, 100_000, 8), minlength=100_000)
-    assert abs(float((few == 0).double().mean()) - 0.36788) < 0.01
+@pytest.mark.parametrize("numel,k", SHAPES + [(5_000_000_007, 1000), (10, 3)])
+def test_each_draw_lies_in_its_own_stratum(numel, k):
+    positions = _C.random_k_positions(numel, k, 5)
+    starts = strata_starts(numel, k)
+    assert bool((positions >= starts[:-1]).all()) and bool((positions < starts[1:]).all())
+    if k == numel:
+        assert torch.equal(positions, torch.arange(numel))  # every entry, once
+
+
+def chi_square(counts):
+    expected = counts.sum() / counts.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_the_entry_within_a_stratum_is_uniform():
+    # Across strata: 100000 strata of 10 entries, the offset of each draw in its stratum.
+    numel, k = 1_000_000, 100_000
+    offsets = _C.random_k_positions(numel, k, 7) - strata_starts(numel, k)[:-1]
+    # 9 degrees of freedom: mean 9, standard deviation ~4.2; 5 of them above
+    assert chi_square(torch.bincount(offsets, minlength=10).double()) < 9 + 5 * 4.25
+    # Across seeds: one stratum of 7 entries, 4000 steps (6 degrees: mean 6, deviation ~3.5).
+    picks = torch.tensor([int(_C.random_k_positions(7000, 1000, seed)[3]) - 21 for seed in range(4000)])
+    assert chi_square(torch.bincount(picks, minlength=7).double()) < 6 + 5 * 3.5
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("clear", [False, True])
-def test_take_gathers_the_drawn_values_and_clears_them(device, dtype, clear):
-    numel, k, seed = 100_000, 3_000, 99
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_take_gathers_the_drawn_values_and_clears_them(device, dtype, clear, shape, offset):
+    (numel, k), seed = shape, 99
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1)).to(dtype)
-    on = x.clone().to(device)  # on the CPU, x.to(device) would be x itself
+    on = on_device(x, device, offset)
     values = take(on, k, seed, clear)
     positions = _C.random_k_positions(numel, k, seed)
-    assert torch.equal(values.cpu(), x[positions])  # a position drawn twice sends its value twice
+    assert torch.equal(values.cpu(), x[positions])
     expected = x.clone()
     if clear:
         expected[positions] = 0
@@ -60,21 +93,23 @@ def test_take_gathers_the_drawn_values_and_clears_them(device, dtype, clear):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_an_overflow_anywhere_makes_the_first_value_nan_and_leaves_the_buffer(device, bad, dtype):
-    numel, k, seed = 200_000, 20, 5
+@pytest.mark.parametrize("where", ["missed", "drawn", "last entry"])
+def test_an_overflow_anywhere_makes_the_first_value_nan_and_leaves_the_buffer(device, bad, dtype, where):
+    numel, k, seed = 200_001, 20, 5  # a tail past the last whole 16-byte pack
     positions = _C.random_k_positions(numel, k, seed)
-    missed = next(i for i in range(numel) if i not in set(positions.tolist()))
+    at = {"missed": int(positions[7]) + 1, "drawn": int(positions[7]), "last entry": numel - 1}[where]
     x = torch.randn(numel, generator=torch.Generator().manual_seed(2)).to(dtype)
-    x[missed] = float(bad)
+    assert where == "drawn" or at not in set(positions.tolist())
+    x[at] = float(bad)
     for clear in (False, True):
-        on = x.clone().to(device)
+        on = on_device(x, device, 0)
         values = take(on, k, seed, clear).cpu()
         assert torch.isnan(values[0])
-        assert torch.equal(values[1:], x[positions][1:])
+        torch.testing.assert_close(values[1:], x[positions][1:], rtol=0, atol=0, equal_nan=True)
         expected = x.clone()
         if clear:  # error feedback keeps neither the sent values nor the overflow
             expected[positions] = 0
-            expected[missed] = 0
+            expected[at] = 0
         torch.testing.assert_close(on.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
@@ -87,18 +122,19 @@ def test_a_double_above_float_range_is_no_overflow():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_place_puts_the_mean_at_the_drawn_positions_and_zeros_elsewhere(device, dtype, ranks):
-    numel, k, seed = 50_000, 5_000, 11
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_place_puts_the_mean_at_the_drawn_positions_and_zeros_elsewhere(device, dtype, ranks, shape, offset):
+    (numel, k), seed = shape, 11
     positions = _C.random_k_positions(numel, k, seed)
-    # What a sum allreduce of ranks' values at those positions gives: equal at repeated positions.
-    summed = torch.randn(numel, generator=torch.Generator().manual_seed(4)).to(dtype)[positions]
-    out = torch.randn(numel, dtype=dtype, device=device)  # not zeros: every entry is written
+    summed = torch.randn(k, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out = on_device(torch.randn(numel, dtype=dtype), device, offset)  # not zeros: every entry is written
     _C.random_k_place_(summed.to(device), seed, out, ranks)
     expected = torch.zeros(numel, dtype=dtype).index_copy_(0, positions, summed / ranks)
     assert torch.equal(out.cpu(), expected)
 
 
-@pytest.mark.parametrize("call", ["float values", "short bucket", "2-D bucket", "int bucket", "ranks 0"])
+@pytest.mark.parametrize("call", ["float values", "short bucket", "2-D bucket", "int bucket", "ranks 0", "k above numel"])
 def test_refusals_name_the_argument(call):
     x = torch.randn(100)
     with pytest.raises(RuntimeError, match="RandomK"):
@@ -110,5 +146,7 @@ def test_refusals_name_the_argument(call):
             _C.random_k_take_(x.view(10, 10), 1, torch.empty(10), False)
         elif call == "int bucket":
             _C.random_k_place_(torch.empty(10, dtype=torch.int32), 1, torch.zeros(100, dtype=torch.int32), 2)
-        else:
+        elif call == "ranks 0":
             _C.random_k_place_(torch.empty(10), 1, x, 0)
+        else:
+            _C.random_k_take_(x, 1, torch.empty(101), False)

@@ -1,9 +1,9 @@
-# Probe: RandomK's step before and after its kernels (twenty-sixth session), on one GPU, a 100 MB
-# fp32 bucket at ratio 0.01, error feedback on: the hook's taking (draw, gather, overflow check,
-# clearing) and placing, as ATen ops with positions drawn on the host (the hook before) and as
-# commtune's kernels (the hook now). Device time queued (CUDA events, median of 30) and host time
-# per call (what autograd's thread spends launching it). Results:
-# benchmarks/results/randomk_ab_h100_session26.txt.
+# Probe: RandomK's step before and after its kernels, on one GPU, a 100 MB fp32 bucket at ratio
+# 0.01, error feedback on: the hook's taking (draw, gather, overflow check, clearing) and placing,
+# as ATen ops with positions drawn on the host (the hook before the twenty-sixth session) and as
+# commtune's kernels (since the twenty-eighth, one pass over the bucket each, on the stratified
+# draw). Device time queued (CUDA events, median of 30) and host time per call (what autograd's
+# thread spends launching it). Results: benchmarks/results/randomk_ab_<gpu>_session<N>.txt.
 #   python benchmarks/probes/randomk_ab_probe.py   (after pip install -e .; one GPU)
 import math
 import statistics

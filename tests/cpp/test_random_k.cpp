@@ -1,11 +1,15 @@
 // RandomK's CPU passes (kernels/random_k.cpp) against the same steps in ATen ops at the draw's
-// positions: taking (with and without clearing), an overflow reaching the first value, placing.
+// positions: the strata, taking (with and without clearing), an overflow reaching the first
+// value, placing.
 #include <commtune/kernels/random_k.h>
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -37,6 +41,33 @@ TEST(RandomKEdges, DrawsStayInTheBucketAndRepeatWithTheSeed) {
   EXPECT_LT(a.eq(positions(1000003, 5000, 8)).to(at::kFloat).mean().item<float>(), 0.01f);
 }
 
+TEST(RandomKEdges, EachDrawLiesInItsStratum) {
+  for (const auto& [numel, k] : std::vector<std::pair<int64_t, int64_t>>{{100000, 3000}, {70001, 3}, {500, 500}, {7, 1}}) {
+    const at::Tensor p = positions(numel, k, 9);
+    for (int64_t s = 0; s < k; ++s) {
+      EXPECT_GE(p[s].item<int64_t>(), s * numel / k);
+      EXPECT_LT(p[s].item<int64_t>(), (s + 1) * numel / k);
+    }
+  }
+}
+
+TEST(RandomKEdges, FirstDrawAtOrAfterAnEntryMatchesTheDraws) {
+  // What each CUDA block uses to find the draws in its slice, against a search of the positions.
+  for (const auto& [numel, k] : std::vector<std::pair<int64_t, int64_t>>{{100000, 3000}, {70001, 3}, {500, 500}}) {
+    const at::Tensor p = positions(numel, k, 13);
+    auto check = [&](int64_t i) {
+      const int64_t expected = at::searchsorted(p, at::scalar_tensor(i, at::kLong)).item<int64_t>();
+      EXPECT_EQ(commtune::random_k_first_at_or_after(i, 13, numel, k), expected) << numel << " " << k << " " << i;
+    };
+    for (int64_t s = 0; s < k; ++s) {  // either side of each draw, where the answer changes
+      const int64_t at = p[s].item<int64_t>();
+      for (int64_t i = std::max<int64_t>(0, at - 1); i <= at + 1; ++i) check(i);
+    }
+    for (int64_t i = 0; i <= numel; i += 1009) check(i);
+    check(numel);
+  }
+}
+
 TEST(RandomKEdges, AnOverflowTheDrawMissesReachesTheFirstValueAndLeavesTheBuffer) {
   at::manual_seed(2);
   const at::Tensor drawn = positions(50000, 10, 3);
@@ -57,14 +88,15 @@ TEST(RandomKEdges, AnOverflowTheDrawMissesReachesTheFirstValueAndLeavesTheBuffer
 TEST(RandomKEdges, PlacesTheMeanAtTheDrawnPositionsAndZerosElsewhere) {
   at::manual_seed(4);
   const at::Tensor drawn = positions(30000, 3000, 11);
-  const at::Tensor summed = at::randn({30000}).index_select(0, drawn);  // equal where a position repeats
+  const at::Tensor summed = at::randn({3000});
   at::Tensor out = at::randn({30000});  // not zeros: every entry is written
   commtune::random_k_place_(summed, 11, out, 3);
   EXPECT_TRUE(at::equal(out, at::zeros({30000}).index_copy_(0, drawn, summed / 3)));
 }
 
-TEST(RandomKEdges, RefusesValuesOfAnotherDtype) {
+TEST(RandomKEdges, RefusesValuesOfAnotherDtypeAndMoreValuesThanEntries) {
   EXPECT_THROW(commtune::random_k_take_(at::randn({100}), 1, at::empty({10}, at::kDouble), false), c10::Error);
+  EXPECT_THROW(commtune::random_k_take_(at::randn({100}), 1, at::empty({101}), false), c10::Error);
   EXPECT_THROW(commtune::random_k_place_(at::empty({10}), 1, at::zeros({100}), 0), c10::Error);
 }
 

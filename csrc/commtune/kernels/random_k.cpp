@@ -19,16 +19,25 @@ void check_pair(const at::Tensor& bucket, const at::Tensor& values, const char* 
               "RandomK: the values must be a non-empty contiguous 1-D tensor of ", bucket.scalar_type(), ", got ",
               values.scalar_type(), " ", shape_of(values));
   check_same_device(bucket, values, "RandomK", "the values");
+  random_k_check_count(bucket.numel(), values.numel());
 }
 
 }  // namespace
 
-at::Tensor random_k_positions(int64_t numel, int64_t k, uint64_t seed) {
+void random_k_check_count(int64_t numel, int64_t k) {
   TORCH_CHECK(numel > 0 && k > 0, "RandomK: numel and k must be positive, got ", std::to_string(numel), " and ",
               std::to_string(k));
+  TORCH_CHECK(k <= numel, "RandomK: cannot draw ", std::to_string(k), " distinct entries from a bucket of ",
+              std::to_string(numel), "; pass at most as many values as the bucket has entries");
+  TORCH_CHECK(k <= INT32_MAX, "RandomK: at most 2^31 - 1 values a bucket, got ", std::to_string(k),
+              "; lower the ratio or the bucket size");
+}
+
+at::Tensor random_k_positions(int64_t numel, int64_t k, uint64_t seed) {
+  random_k_check_count(numel, k);
   at::Tensor out = at::empty({k}, at::kLong);
   int64_t* p = out.mutable_data_ptr<int64_t>();
-  for (int64_t j = 0; j < k; ++j) p[j] = random_k_position(seed, j, numel);
+  for (int64_t s = 0; s < k; ++s) p[s] = random_k_position(seed, s, numel, k);
   return out;
 }
 
@@ -40,16 +49,19 @@ void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "random_k_take", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
     scalar_t* out = values.mutable_data_ptr<scalar_t>();
+    using opmath_t = at::opmath_type<scalar_t>;  // double stays double: a finite double above FLT_MAX is no overflow
     const int64_t numel = x.numel(), k = values.numel();
-    for (int64_t j = 0; j < k; ++j) out[j] = in[random_k_position(seed, j, numel)];  // all reads first
     bool overflow = false;
-    for (int64_t i = 0; i < numel; ++i) {
-      if (std::isfinite(static_cast<at::opmath_type<scalar_t>>(in[i]))) continue;
+    for (int64_t s = 0; s < k; ++s) {  // positions are distinct: each is read, then cleared
+      const int64_t at = random_k_position(seed, s, numel, k);
+      out[s] = in[at];
+      overflow |= !std::isfinite(static_cast<opmath_t>(in[at]));
+      if (clear) in[at] = scalar_t(0);
+    }
+    for (int64_t i = 0; i < numel; ++i) {  // the rest of the bucket
+      if (std::isfinite(static_cast<opmath_t>(in[i]))) continue;
       overflow = true;
       if (clear) in[i] = scalar_t(0);
-    }
-    if (clear) {
-      for (int64_t j = 0; j < k; ++j) in[random_k_position(seed, j, numel)] = scalar_t(0);
     }
     if (overflow) out[0] = static_cast<scalar_t>(quant::float_from_bits(quant::kQuietNanBits));
   });
@@ -67,9 +79,9 @@ void random_k_place_(const at::Tensor& summed, uint64_t seed, const at::Tensor& 
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     const int64_t numel = out.numel(), k = summed.numel();
     std::fill(dst, dst + numel, scalar_t(0));
-    for (int64_t j = 0; j < k; ++j) {
-      dst[random_k_position(seed, j, numel)] =
-          static_cast<scalar_t>(static_cast<opmath_t>(in[j]) / static_cast<opmath_t>(ranks));
+    for (int64_t s = 0; s < k; ++s) {
+      dst[random_k_position(seed, s, numel, k)] =
+          static_cast<scalar_t>(static_cast<opmath_t>(in[s]) / static_cast<opmath_t>(ranks));
     }
   });
 }

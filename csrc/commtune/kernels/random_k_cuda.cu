@@ -1,9 +1,10 @@
-// CUDA side of RandomK's passes (checks and CPU loops in random_k.cpp). Taking is three kernels:
-// the gather of the k drawn values (all reads before any clearing: a position may be drawn
-// twice), a read of the whole bucket for an Inf or a NaN (which, with clearing, also zeroes
-// them; with none it writes nothing), and the clearing of the drawn positions, whose first
-// thread also marks values[0] when the read found an overflow. Placing is a fill with zeros and
-// a scatter of the mean.
+// CUDA side of RandomK's passes (checks and CPU loops in random_k.cpp). Both passes cut the bucket
+// into slices of kSlice entries, one a block, and a block handles the draws that fall in its
+// slice (random_k_first_at_or_after): no access leaves the slice, so the bucket is read or written
+// once, in order, whatever k is. Taking is one kernel: a block gathers its draws (clearing them
+// with error feedback), then reads its slice in 16-byte loads for an Inf or a NaN, and the last
+// block to finish marks values[0] if any block found one. Placing is one kernel: a block zeroes
+// its slice in 16-byte stores, then writes its draws' means.
 #include <commtune/kernels/random_k.h>
 
 #include <ATen/Dispatch.h>
@@ -12,61 +13,111 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
 #include <cstdint>
 
 namespace commtune {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int64_t kSlice = 16384;  // entries a block: 64 KB of fp32, 16 packs a thread
 
-int blocks_for(int64_t n, int64_t most) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, most)));
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kCount = 16 / sizeof(T);
+  T v[kCount];
+};
+
+// Entries [lo, hi) of base as single entries before the first 16-byte boundary ([lo, packs)),
+// whole packs ([packs, tail)) and single entries after the last ([tail, hi)).
+struct PackedSpan {
+  int64_t packs, tail;
+};
+
+template <typename T>
+__device__ __forceinline__ PackedSpan packed_span(const T* base, int64_t lo, int64_t hi) {
+  constexpr int64_t count = Pack<T>::kCount;
+  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(base + lo) % 16) / sizeof(T);
+  const int64_t packs = min(hi, lo + (count - misaligned) % count);
+  return {packs, packs + (hi - packs) / count * count};
 }
 
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) gather_kernel(const scalar_t* x, int64_t numel, uint64_t seed,
-                                                           scalar_t* values, int64_t k, uint32_t* overflow) {
-  const int64_t first = blockIdx.x * int64_t{kThreads} + threadIdx.x;
-  if (first == 0) *overflow = 0u;  // the scan after this kernel sets it
-  for (int64_t j = first; j < k; j += int64_t{gridDim.x} * kThreads) {
-    values[j] = x[random_k_position(seed, j, numel)];
-  }
+struct Slice {
+  int64_t lo, hi;        // this block's entries
+  int64_t first, end;    // the draws that fall in them
+};
+
+__device__ __forceinline__ Slice block_slice(uint64_t seed, int64_t numel, int64_t k) {
+  __shared__ int64_t bounds[2];
+  const int64_t lo = blockIdx.x * kSlice, hi = min(numel, lo + kSlice);
+  if (threadIdx.x < 2) bounds[threadIdx.x] = random_k_first_at_or_after(threadIdx.x == 0 ? lo : hi, seed, numel, k);
+  __syncthreads();
+  return {lo, hi, bounds[0], bounds[1]};
 }
 
-// Sets *overflow when x holds an Inf or a NaN; with `clear`, zeroes them.
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) scan_kernel(scalar_t* x, int64_t numel, bool clear, uint32_t* overflow) {
-  using opmath_t = at::opmath_type<scalar_t>;  // double stays double: a finite double above FLT_MAX is no overflow
+template <typename T>
+__device__ __forceinline__ bool overflows(T v) {
+  using opmath_t = at::opmath_type<T>;  // double stays double: a finite double above FLT_MAX is no overflow
+  return !isfinite(static_cast<opmath_t>(v));
+}
+
+// Whether x[lo, hi) holds an Inf or a NaN (this thread's share); with `clear`, zeroes them.
+template <typename T>
+__device__ bool scan_slice(T* x, int64_t lo, int64_t hi, bool clear) {
   bool found = false;
-  const int64_t stride = int64_t{gridDim.x} * kThreads;
-  int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x;
-  for (; i + 3 * stride < numel; i += 4 * stride) {  // four loads in flight a thread
-    scalar_t v[4];
+  auto check = [&](T& v) {
+    if (!overflows(v)) return;
+    found = true;
+    if (clear) v = T(0);
+  };
+  const PackedSpan span = packed_span(x, lo, hi);
+  for (int64_t i = lo + threadIdx.x; i < span.packs; i += kThreads) check(x[i]);
+  for (int64_t i = span.tail + threadIdx.x; i < hi; i += kThreads) check(x[i]);
+  auto* packs = reinterpret_cast<Pack<T>*>(x + span.packs);
+  const int64_t n = (span.tail - span.packs) / Pack<T>::kCount;
+  int64_t p = threadIdx.x;
+  for (; p + 3 * kThreads < n; p += 4 * kThreads) {  // four 16-byte loads in flight a thread
+    Pack<T> v[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = x[i + u * stride];
+    for (int u = 0; u < 4; ++u) v[u] = packs[p + u * kThreads];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      if (isfinite(static_cast<opmath_t>(v[u]))) continue;
+      bool here = false;
+#pragma unroll
+      for (int e = 0; e < Pack<T>::kCount; ++e) here |= overflows(v[u].v[e]);
+      if (!here) continue;  // the common case: nothing written
       found = true;
-      if (clear) x[i + u * stride] = scalar_t(0);
+      if (clear) {
+        for (int e = 0; e < Pack<T>::kCount; ++e) check(packs[p + u * kThreads].v[e]);
+      }
     }
   }
-  for (; i < numel; i += stride) {
-    if (isfinite(static_cast<opmath_t>(x[i]))) continue;
-    found = true;
-    if (clear) x[i] = scalar_t(0);
+  for (; p < n; p += kThreads) {
+    for (int e = 0; e < Pack<T>::kCount; ++e) check(packs[p].v[e]);
   }
-  if (found) *overflow = 1u;  // the same value from every thread that stores
+  return found;
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) clear_kernel(scalar_t* x, int64_t numel, uint64_t seed, scalar_t* values,
-                                                          int64_t k, bool clear, const uint32_t* overflow) {
-  const int64_t first = blockIdx.x * int64_t{kThreads} + threadIdx.x;
-  if (first == 0 && *overflow != 0u) values[0] = static_cast<scalar_t>(quant::float_from_bits(quant::kQuietNanBits));
-  if (!clear) return;
-  for (int64_t j = first; j < k; j += int64_t{gridDim.x} * kThreads) x[random_k_position(seed, j, numel)] = scalar_t(0);
+__global__ void __launch_bounds__(kThreads) take_kernel(scalar_t* x, int64_t numel, uint64_t seed, scalar_t* values,
+                                                         int64_t k, bool clear, uint32_t* state) {
+  const Slice slice = block_slice(seed, numel, k);
+  bool found = false;
+  for (int64_t s = slice.first + threadIdx.x; s < slice.end; s += kThreads) {
+    const int64_t at = random_k_position(seed, s, numel, k);
+    const scalar_t v = x[at];
+    values[s] = v;
+    found |= overflows(v);
+    if (clear) x[at] = scalar_t(0);
+  }
+  __syncthreads();  // cleared before the slice is read: a drawn Inf is counted once, sent, and not kept
+  found |= scan_slice(x, slice.lo, slice.hi, clear);
+  // state[0]: whether any block found an overflow; state[1]: blocks done (both zeroed before launch).
+  if (__syncthreads_or(found) && threadIdx.x == 0) atomicOr(state, 1u);
+  if (threadIdx.x != 0) return;
+  __threadfence();  // this block's values and flag before its ticket
+  if (atomicAdd(state + 1, 1u) != gridDim.x - 1) return;
+  __threadfence();
+  if (atomicOr(state, 0u) != 0u) values[0] = static_cast<scalar_t>(quant::float_from_bits(quant::kQuietNanBits));
 }
 
 // a / b rounded as the CPU rounds it: the build's --use_fast_math would approximate a float
@@ -78,29 +129,34 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) place_kernel(const scalar_t* summed, int64_t k, uint64_t seed,
                                                           scalar_t* out, int64_t numel, int64_t ranks) {
   using opmath_t = at::opmath_type<scalar_t>;
-  for (int64_t j = blockIdx.x * int64_t{kThreads} + threadIdx.x; j < k; j += int64_t{gridDim.x} * kThreads) {
-    out[random_k_position(seed, j, numel)] =
-        static_cast<scalar_t>(exact_div(static_cast<opmath_t>(summed[j]), static_cast<opmath_t>(ranks)));
+  const Slice slice = block_slice(seed, numel, k);
+  const PackedSpan span = packed_span(out, slice.lo, slice.hi);
+  for (int64_t i = slice.lo + threadIdx.x; i < span.packs; i += kThreads) out[i] = scalar_t(0);
+  for (int64_t i = span.tail + threadIdx.x; i < slice.hi; i += kThreads) out[i] = scalar_t(0);
+  auto* packs = reinterpret_cast<Pack<scalar_t>*>(out + span.packs);
+  const Pack<scalar_t> zeros{};
+  for (int64_t p = threadIdx.x; p < (span.tail - span.packs) / Pack<scalar_t>::kCount; p += kThreads) packs[p] = zeros;
+  __syncthreads();  // the zeros before the means that overwrite some of them
+  for (int64_t s = slice.first + threadIdx.x; s < slice.end; s += kThreads) {
+    out[random_k_position(seed, s, numel, k)] =
+        static_cast<scalar_t>(exact_div(static_cast<opmath_t>(summed[s]), static_cast<opmath_t>(ranks)));
   }
 }
+
+unsigned int blocks_for(int64_t numel) { return static_cast<unsigned int>((numel + kSlice - 1) / kSlice); }
 
 }  // namespace
 
 void random_k_take_cuda_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t numel = x.numel(), k = values.numel();
-  at::Tensor flag = at::empty({1}, x.options().dtype(at::kInt));
-  auto* overflow = reinterpret_cast<uint32_t*>(flag.mutable_data_ptr<int32_t>());
+  at::Tensor state = at::empty({2}, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(state.mutable_data_ptr(), 0, state.nbytes(), stream));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "random_k_take", [&] {
-    scalar_t* in = x.mutable_data_ptr<scalar_t>();
-    scalar_t* out = values.mutable_data_ptr<scalar_t>();
-    gather_kernel<scalar_t><<<blocks_for(k, 8 * sms), kThreads, 0, stream>>>(in, numel, seed, out, k, overflow);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    scan_kernel<scalar_t><<<blocks_for(numel, 8 * sms), kThreads, 0, stream>>>(in, numel, clear, overflow);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    clear_kernel<scalar_t><<<blocks_for(k, 8 * sms), kThreads, 0, stream>>>(in, numel, seed, out, k, clear, overflow);
+    take_kernel<scalar_t><<<blocks_for(numel), kThreads, 0, stream>>>(
+        x.mutable_data_ptr<scalar_t>(), numel, seed, values.mutable_data_ptr<scalar_t>(), k, clear,
+        reinterpret_cast<uint32_t*>(state.mutable_data_ptr<int32_t>()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -108,11 +164,9 @@ void random_k_take_cuda_(const at::Tensor& x, uint64_t seed, const at::Tensor& v
 void random_k_place_cuda_(const at::Tensor& summed, uint64_t seed, const at::Tensor& out, int64_t ranks) {
   const c10::cuda::CUDAGuard guard(out.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t numel = out.numel(), k = summed.numel();
-  out.zero_();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "random_k_place", [&] {
-    place_kernel<scalar_t><<<blocks_for(k, 8 * sms), kThreads, 0, stream>>>(
+    place_kernel<scalar_t><<<blocks_for(numel), kThreads, 0, stream>>>(
         summed.const_data_ptr<scalar_t>(), k, seed, out.mutable_data_ptr<scalar_t>(), numel, ranks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -80,8 +80,11 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
                                                  4 * numel + 8 * k),
         TOPK_AS_THE_HOOK: (lambda: _C.threshold_top_k_(fresh[next(turn) % calls], k, piece_k, cleared, True),
                            4 * numel + 8 * k + 4 * k),
-        RANDOMK_TAKE: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True), 4 * numel + 12 * k),
-        randomk_place(ranks): (lambda: _C.random_k_place_(drawn, RANDOMK_SEED, out, ranks), 4 * numel + 8 * k),
+        # The stratified draw reads and writes only inside the stream of the bucket: a read of it,
+        # the k values written and the k entries cleared (take); a write of it and the k values
+        # read (place).
+        RANDOMK_TAKE: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True), 4 * numel + 8 * k),
+        randomk_place(ranks): (lambda: _C.random_k_place_(drawn, RANDOMK_SEED, out, ranks), 4 * numel + 4 * k),
         "sign encode (error feedback)": (lambda: _C.sign_encode_(src, error, gathered[:piece], chunk),
                                          4 * numel + 4 * numel + piece),
         f"sign decode the mean of {ranks} ranks": (lambda: _C.sign_decode_mean_(gathered, out, ranks, chunk),
@@ -91,7 +94,7 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
 
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
-RANDOMK_TAKE = "random-k take, ratio 0.01 (gather, overflow check, clear: error feedback)"
+RANDOMK_TAKE = "random-k take, ratio 0.01 (read, gather and clear: error feedback)"
 RANDOMK_SEED = 2026
 TOPK_AS_THE_HOOK = "top-k select and clear, ratio 0.01 (threshold, error feedback: the hook's call)"
 LAUNCH_ALONE = "device: a one-element add (a launch alone)"
@@ -102,7 +105,7 @@ WARMUP = 3  # untimed calls before each timing
 
 
 def randomk_place(ranks):
-    return f"random-k place the mean of {ranks} ranks, ratio 0.01 (zero the bucket, scatter)"
+    return f"random-k place the mean of {ranks} ranks, ratio 0.01 (one dense write)"
 
 
 def small_copy(kind):
