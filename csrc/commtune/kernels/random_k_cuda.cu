@@ -134,7 +134,9 @@ __global__ void __launch_bounds__(kThreads) place_kernel(const scalar_t* summed,
   for (int64_t i = slice.lo + threadIdx.x; i < span.packs; i += kThreads) out[i] = scalar_t(0);
   for (int64_t i = span.tail + threadIdx.x; i < slice.hi; i += kThreads) out[i] = scalar_t(0);
   auto* packs = reinterpret_cast<Pack<scalar_t>*>(out + span.packs);
-  const Pack<scalar_t> zeros{};
+  Pack<scalar_t> zeros;
+#pragma unroll
+  for (int e = 0; e < Pack<scalar_t>::kCount; ++e) zeros.v[e] = scalar_t(0);
   for (int64_t p = threadIdx.x; p < (span.tail - span.packs) / Pack<scalar_t>::kCount; p += kThreads) packs[p] = zeros;
   __syncthreads();  // the zeros before the means that overwrite some of them
   for (int64_t s = slice.first + threadIdx.x; s < slice.end; s += kThreads) {
