@@ -169,7 +169,7 @@ class TopK(HookConfig):
 @dataclass(frozen=True)
 class RandomK(HookConfig):
     """Random-k sparsification with error feedback (see README): the same seeded positions on
-    every rank, so only the values are allreduced."""
+    every rank, one in each of k strata of the bucket, so only the values are allreduced."""
 
     ratio: float = 0.01
     seed: int = 0

@@ -4,7 +4,7 @@
 namespace commtune {
 
 // Random-k sparsification with error feedback: every rank draws the same k = ceil(ratio *
-// numel) positions (with replacement) by a hash of (seed, iteration, bucket), on the bucket's
+// numel) positions, one in each of k strata, by a hash of (seed, iteration, bucket), on the bucket's
 // device (kernels/random_k.h), so only the values travel, in one sum allreduce; the mean lands
 // at those positions and zeros elsewhere. What was not sent stays in the error buffer.
 class RandomKHook : public ErrorFeedbackHook {
