@@ -8,6 +8,7 @@ import torch
 
 import compression_runs
 import distributed
+from test_random_k import strata_starts
 
 RATIO, NUMEL, STEPS = compression_runs.RATIO, 300 * 70, 4
 K = math.ceil(RATIO * NUMEL)
@@ -56,7 +57,7 @@ def test_topk_without_error_feedback_each_step_stands_alone():
 def assert_one_sent_per_stratum(sent):
     """RandomK's draw: exactly one entry of each of the K strata (kernels/random_k.h)."""
     positions = sent.nonzero().flatten()
-    starts = torch.arange(K + 1) * NUMEL // K
+    starts = strata_starts(NUMEL, K)
     assert positions.numel() == K
     assert torch.equal(torch.bucketize(positions, starts, right=True) - 1, torch.arange(K))
 

@@ -40,7 +40,7 @@ COMMTUNE_HD int64_t random_k_first_at_or_after(int64_t i, uint64_t seed, int64_t
   if (i >= numel) return k;
   // The stratum holding i: about i·k/numel (a double is within a stratum or two of it).
   int64_t s = static_cast<int64_t>(static_cast<double>(i) * static_cast<double>(k) / static_cast<double>(numel));
-  s = s < 0 ? 0 : (s > k - 1 ? k - 1 : s);
+  if (s > k - 1) s = k - 1;  // i >= 0, so s >= 0
   while (s > 0 && random_k_stratum_start(s, numel, k) > i) --s;
   while (s + 1 < k && random_k_stratum_start(s + 1, numel, k) <= i) ++s;
   return random_k_position(seed, s, numel, k) >= i ? s : s + 1;
