@@ -1,8 +1,8 @@
 // CUDA side of RandomK's passes (checks and CPU loops in random_k.cpp). Both passes cut the bucket
 // into slices of kSlice entries, one a block, and a block handles the draws that fall in its
 // slice (random_k_first_at_or_after): no access leaves the slice, so the bucket is read or written
-// once, in order, whatever k is. Taking is one kernel: a block gathers its draws (clearing them
-// with error feedback), then reads its slice in 16-byte loads for an Inf or a NaN, and the last
+// once, in order, whatever k is. Taking is one kernel: a block reads its slice in 16-byte loads
+// for an Inf or a NaN, then gathers its draws (clearing them with error feedback), and the last
 // block to finish marks values[0] if any block found one. Placing is one kernel: a block zeroes
 // its slice in 16-byte stores, then writes its draws' means.
 #include <commtune/kernels/random_k.h>
@@ -41,17 +41,20 @@ __device__ __forceinline__ PackedSpan packed_span(const T* base, int64_t lo, int
   return {packs, packs + (hi - packs) / count * count};
 }
 
+// This block's entries, [lo, hi).
 struct Slice {
-  int64_t lo, hi;        // this block's entries
-  int64_t first, end;    // the draws that fall in them
+  int64_t lo, hi;
 };
 
-__device__ __forceinline__ Slice block_slice(uint64_t seed, int64_t numel, int64_t k) {
-  __shared__ int64_t bounds[2];
-  const int64_t lo = blockIdx.x * kSlice, hi = min(numel, lo + kSlice);
-  if (threadIdx.x < 2) bounds[threadIdx.x] = random_k_first_at_or_after(threadIdx.x == 0 ? lo : hi, seed, numel, k);
-  __syncthreads();
-  return {lo, hi, bounds[0], bounds[1]};
+__device__ __forceinline__ Slice block_slice(int64_t numel) {
+  const int64_t lo = blockIdx.x * kSlice;
+  return {lo, min(numel, lo + kSlice)};
+}
+
+// Threads 0 and 1 write the first draws at or after lo and hi (the block's draws are [draws[0],
+// draws[1])), to be read after a __syncthreads: the block's other work goes on meanwhile.
+__device__ __forceinline__ void find_draws(Slice slice, uint64_t seed, int64_t numel, int64_t k, int64_t* draws) {
+  if (threadIdx.x < 2) draws[threadIdx.x] = random_k_first_at_or_after(threadIdx.x == 0 ? slice.lo : slice.hi, seed, numel, k);
 }
 
 template <typename T>
@@ -97,23 +100,28 @@ __device__ bool scan_slice(T* x, int64_t lo, int64_t hi, bool clear) {
   return found;
 }
 
+// The slice is read first, its loads issued at once (a gather first would hold them back a DRAM
+// round trip a block); the gather after it finds the slice in L2. The scan writes nothing, so an
+// Inf or a NaN to clear (rare: a loss scaler's overflow) takes a second pass in its block only.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) take_kernel(scalar_t* x, int64_t numel, uint64_t seed, scalar_t* values,
                                                          int64_t k, bool clear, uint32_t* state) {
-  const Slice slice = block_slice(seed, numel, k);
-  bool found = false;
-  for (int64_t s = slice.first + threadIdx.x; s < slice.end; s += kThreads) {
+  __shared__ int64_t draws[2];
+  const Slice slice = block_slice(numel);
+  find_draws(slice, seed, numel, k, draws);
+  bool found = scan_slice(x, slice.lo, slice.hi, false);
+  __syncthreads();
+  for (int64_t s = draws[0] + threadIdx.x; s < draws[1]; s += kThreads) {
     const int64_t at = random_k_position(seed, s, numel, k);
     const scalar_t v = x[at];
-    values[s] = v;
-    found |= overflows(v);
+    values[s] = v;  // an Inf or a NaN here was seen by the scan
     if (clear) x[at] = scalar_t(0);
   }
-  __syncthreads();  // cleared before the slice is read: a drawn Inf is counted once, sent, and not kept
-  found |= scan_slice(x, slice.lo, slice.hi, clear);
+  found = __syncthreads_or(found);
+  if (found && clear) scan_slice(x, slice.lo, slice.hi, true);  // error feedback keeps no Inf or NaN
   // state[0]: whether any block found an overflow; state[1]: blocks done (both zeroed before launch).
-  if (__syncthreads_or(found) && threadIdx.x == 0) atomicOr(state, 1u);
   if (threadIdx.x != 0) return;
+  if (found) atomicOr(state, 1u);
   __threadfence();  // this block's values and flag before its ticket
   if (atomicAdd(state + 1, 1u) != gridDim.x - 1) return;
   __threadfence();
@@ -129,7 +137,9 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) place_kernel(const scalar_t* summed, int64_t k, uint64_t seed,
                                                           scalar_t* out, int64_t numel, int64_t ranks) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const Slice slice = block_slice(seed, numel, k);
+  __shared__ int64_t draws[2];
+  const Slice slice = block_slice(numel);
+  find_draws(slice, seed, numel, k, draws);
   const PackedSpan span = packed_span(out, slice.lo, slice.hi);
   for (int64_t i = slice.lo + threadIdx.x; i < span.packs; i += kThreads) out[i] = scalar_t(0);
   for (int64_t i = span.tail + threadIdx.x; i < slice.hi; i += kThreads) out[i] = scalar_t(0);
@@ -138,8 +148,8 @@ __global__ void __launch_bounds__(kThreads) place_kernel(const scalar_t* summed,
 #pragma unroll
   for (int e = 0; e < Pack<scalar_t>::kCount; ++e) zeros.v[e] = scalar_t(0);
   for (int64_t p = threadIdx.x; p < (span.tail - span.packs) / Pack<scalar_t>::kCount; p += kThreads) packs[p] = zeros;
-  __syncthreads();  // the zeros before the means that overwrite some of them
-  for (int64_t s = slice.first + threadIdx.x; s < slice.end; s += kThreads) {
+  __syncthreads();  // the draws found, and the zeros before the means that overwrite some of them
+  for (int64_t s = draws[0] + threadIdx.x; s < draws[1]; s += kThreads) {
     out[random_k_position(seed, s, numel, k)] =
         static_cast<scalar_t>(exact_div(static_cast<opmath_t>(summed[s]), static_cast<opmath_t>(ranks)));
   }
