@@ -51,17 +51,19 @@ void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values
     scalar_t* out = values.mutable_data_ptr<scalar_t>();
     using opmath_t = at::opmath_type<scalar_t>;  // double stays double: a finite double above FLT_MAX is no overflow
     const int64_t numel = x.numel(), k = values.numel();
+    // The kernel's order: read the bucket for an Inf or a NaN, gather (and clear) the draws, and
+    // only on an overflow go over the bucket again to zero it (error feedback keeps none).
     bool overflow = false;
-    for (int64_t s = 0; s < k; ++s) {  // positions are distinct: each is read, then cleared
+    for (int64_t i = 0; i < numel && !overflow; ++i) overflow = !std::isfinite(static_cast<opmath_t>(in[i]));
+    for (int64_t s = 0; s < k; ++s) {
       const int64_t at = random_k_position(seed, s, numel, k);
       out[s] = in[at];
-      overflow |= !std::isfinite(static_cast<opmath_t>(in[at]));
       if (clear) in[at] = scalar_t(0);
     }
-    for (int64_t i = 0; i < numel; ++i) {  // the rest of the bucket
-      if (std::isfinite(static_cast<opmath_t>(in[i]))) continue;
-      overflow = true;
-      if (clear) in[i] = scalar_t(0);
+    if (overflow && clear) {
+      for (int64_t i = 0; i < numel; ++i) {
+        if (!std::isfinite(static_cast<opmath_t>(in[i]))) in[i] = scalar_t(0);
+      }
     }
     if (overflow) out[0] = static_cast<scalar_t>(quant::float_from_bits(quant::kQuietNanBits));
   });
