@@ -38,7 +38,7 @@ __device__ __forceinline__ bool bad(float4 v) { return !(isfinite(v.x) && isfini
 
 // A block owns kSlice entries (numel % 4 == 0 and x 16-byte aligned here: the landed kernel also
 // walks unaligned heads and tails), its threads read them G packs at a time.
-template <int kSlice, int kMinBlocks, int G, bool kTicket>
+template <int kSlice, int kMinBlocks, int G, bool kTicket, bool kSelfReset = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) take(float* x, int64_t numel, uint64_t seed, float* values,
                                                               int64_t k, uint32_t* state) {
   __shared__ int64_t draws[2];
@@ -70,9 +70,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) take(float* x, int64_t n
   }
   if (found) atomicOr(state, 1u);
   __threadfence();
-  if (atomicAdd(state + 1, 1u) != gridDim.x - 1) return;
+  // kSelfReset: the ticket wraps to 0 at the last block (atomicInc) and the last block clears the
+  // flag, so the state stays zeroed between calls and no memset goes before each.
+  const uint32_t ticket = kSelfReset ? atomicInc(state + 1, gridDim.x - 1) : atomicAdd(state + 1, 1u);
+  if (ticket != gridDim.x - 1) return;
   __threadfence();
-  if (atomicOr(state, 0u) != 0u) values[0] = __int_as_float(0x7FC00000);
+  if ((kSelfReset ? atomicExch(state, 0u) : atomicOr(state, 0u)) != 0u) values[0] = __int_as_float(0x7FC00000);
 }
 
 // A read-only stream of the bucket, one 16 KB tile a block (stream_probe.cu's fastest read).
@@ -128,14 +131,15 @@ int main() {
   time("read-only stream, a 16 KB tile a block", [&] { read_tile<<<(numel / 4 + 1023) / 1024, kThreads>>>((const float4*)x, numel / 4, out); }, 4.0 * numel);
   const double take_bytes = 4.0 * numel + 8.0 * k;  // compression.py's count: the bucket read, k values out, k clears
   printf("take's bar (80%% of the copy's bandwidth on %.0f bytes): %.2f us\n", take_bytes, copy_us * take_bytes / (8.0 * numel) / 0.8);
-  auto variant = [&](const char* name, auto kernel, int slice) {
+  auto variant = [&](const char* name, auto kernel, int slice, bool memset = true) {
     const unsigned blocks = static_cast<unsigned>((numel + slice - 1) / slice);
     cudaFuncAttributes attr;
     CK(cudaFuncGetAttributes(&attr, kernel));
     int resident = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0));
+    CK(cudaMemset(state, 0, 8));
     auto call = [&] {
-      CK(cudaMemsetAsync(state, 0, 8));
+      if (memset) CK(cudaMemsetAsync(state, 0, 8));
       kernel<<<blocks, kThreads>>>(x, numel, seed, values, k, state);
     };
     refill();
@@ -163,5 +167,8 @@ int main() {
   variant("slice 4096, 4 in flight, 8 blocks/SM, no ticket", take<4096, 8, 4, false>, 4096);
   variant("slice 16384, 4 in flight, no ticket", take<16384, 1, 4, false>, 16384);
   variant("slice 2048, 2 in flight, 8 blocks/SM", take<2048, 8, 2, true>, 2048);
+  variant("slice 16384, 4 in flight, state reset by its last block", take<16384, 1, 4, true, true>, 16384, false);
+  variant("slice 4096, 4 in flight, 6 blocks/SM, state reset by its last block", take<4096, 6, 4, true, true>, 4096, false);
+  variant("slice 4096, 4 in flight, 8 blocks/SM, state reset by its last block", take<4096, 8, 4, true, true>, 4096, false);
   return 0;
 }
