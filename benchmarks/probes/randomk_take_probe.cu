@@ -24,8 +24,15 @@
     }                                                                                  \
   } while (0)
 
-using commtune::random_k_first_at_or_after;
 using commtune::random_k_position;
+
+// Not inlined (as in random_k_cuda.cu): the 64-bit divisions would take registers from the stream.
+__device__ __noinline__ int64_t first_draw_at_or_after(int64_t i, uint64_t seed, int64_t numel, int64_t k) {
+  return commtune::random_k_first_at_or_after(i, seed, numel, k);
+}
+__device__ __noinline__ int64_t draw_position(uint64_t seed, int64_t s, int64_t numel, int64_t k) {
+  return random_k_position(seed, s, numel, k);
+}
 
 constexpr int kThreads = 256;
 
@@ -50,13 +57,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) take(float* x, int64_t n
     float4 v[G];
 #pragma unroll
     for (int u = 0; u < G; ++u) v[u] = p + u * kThreads < n ? packs[p + u * kThreads] : make_float4(0, 0, 0, 0);
-    if (p == threadIdx.x && threadIdx.x < 2) draws[threadIdx.x] = random_k_first_at_or_after(threadIdx.x == 0 ? lo : hi, seed, numel, k);
+    if (p == threadIdx.x && threadIdx.x < 2) draws[threadIdx.x] = first_draw_at_or_after(threadIdx.x == 0 ? lo : hi, seed, numel, k);
 #pragma unroll
     for (int u = 0; u < G; ++u) found |= bad(v[u]);
   }
   __syncthreads();
   for (int64_t s = draws[0] + threadIdx.x; s < draws[1]; s += kThreads) {
-    const int64_t at = random_k_position(seed, s, numel, k);
+    const int64_t at = draw_position(seed, s, numel, k);
     values[s] = x[at];
     x[at] = 0.0f;
   }
