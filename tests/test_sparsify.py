@@ -55,7 +55,7 @@ def test_topk_without_error_feedback_each_step_stands_alone():
 
 
 def assert_one_sent_per_stratum(sent):
-    """RandomK's draw: exactly one entry of each of the K strata (kernels/random_k.h)."""
+    """RandomK's draw: exactly one entry of each of the K strata (kernels/random_k_draw.h)."""
     positions = sent.nonzero().flatten()
     starts = strata_starts(NUMEL, K)
     assert positions.numel() == K
