@@ -7,9 +7,12 @@
 //    in flight into its share of shared memory, finds the qualifying entries in index order and
 //    keeps them in shared memory; they go to the run's slots in a scratch buffer in whole runs
 //    (room for twice the expected number).
+//    With `clear`, it also zeroes in the bucket each entry it keeps a slot for (fp32, fp16, bf16:
+//    a slot's float holds their value exactly), while its line is still in L2.
 // 3. A block for each streaming block, a warp for each run, adds up the counts of the runs before
-//    it and copies the run's entries to their places among the first k (and clears them from the
-//    bucket). A run with more qualifying entries than slots is read again from the bucket.
+//    it and copies the run's entries to their places among the first k; an entry that the
+//    streaming pass cleared and that falls past the k-th gets its value back. A run with more
+//    qualifying entries than slots is read again from the bucket after its last slot's entry.
 // 4. With `clear`, when the bucket holds an Inf or a NaN, their entries become 0 (a kernel of its
 //    own, after every read of the bucket; with none, each block reads one flag and ends).
 // From sm_90 on, each kernel is launched while the one before runs (dependent_launch.cuh): no
@@ -95,6 +98,13 @@ constexpr int kPrefetched = 2;
 // were found, a few for each tile, they cost ~4 us of the 100 MB stream (sectors written in
 // part; the eleventh session's probe).
 constexpr int kBuffered = 64;
+
+// Whether the streaming pass clears the entries it keeps (a slot's float restores them exactly).
+// Cleared there, a pick's 4-byte store goes to a line just read, still in L2; cleared by the
+// placing pass after the whole stream, each went to memory for its sector (~13 us of the
+// call's 62 on an H100 at k = 1%, topk_clear_probe_h100_session26.txt).
+template <typename scalar_t>
+constexpr bool kClearsInStream = sizeof(scalar_t) <= 4;
 
 template <typename scalar_t>
 constexpr int stage_bytes() {
@@ -194,8 +204,8 @@ struct Zeroes {
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
-    streaming_kernel(const scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool aligned16, Zeroes zeroes,
-                     uint32_t* block_counts) {
+    streaming_kernel(scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool aligned16, Zeroes zeroes,
+                     uint32_t* block_counts, bool clear) {
   extern __shared__ __align__(16) unsigned char shared_memory[];
   __shared__ uint32_t warp_counts[kWarps];
   constexpr int kDepth = kStages<scalar_t>;
@@ -275,10 +285,14 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
         const int j = 4 * lane + 128 * g + b % 4;
         const int2 entry =
             make_int2(__float_as_int(static_cast<float>(values[j])), static_cast<int>(tile * kWarpTile) + j);
+        const uint32_t at = (direct ? 0u : held) + slot;  // among the entries not yet written
         if (!direct) {
-          buffered[held + slot] = entry;
-        } else if (written + slot < static_cast<uint32_t>(scratch.capacity)) {
-          slots[written + slot] = entry;
+          buffered[at] = entry;
+        } else if (written + at < static_cast<uint32_t>(scratch.capacity)) {
+          slots[written + at] = entry;
+        }
+        if (kClearsInStream<scalar_t> && clear && written + at < static_cast<uint32_t>(scratch.capacity)) {
+          x[entry.y] = scalar_t(0);
         }
       }
       if (direct) {
@@ -348,34 +362,41 @@ __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t mine, uint32_t*
 constexpr int kEarlySlots = 2;
 
 // Run `run`'s entries to their places among the picks, `before` entries ahead of them (the
-// calling warp; `slots`: the run's, `early`: the lane's first of them, already loaded). A run
-// with more entries than its slots hold, where they matter (the picks are not complete before
-// the slots' last), is read again from the bucket.
+// calling warp; `slots`: the run's, `early`: the lane's first of them, already loaded). Entries
+// past the k-th that the streaming pass cleared get their value back. A run with more entries
+// than its slots hold, where they matter (the picks are not complete at the slots' last), is read
+// again from the bucket after its last slot's entry (the slots' entries may be cleared there).
 template <typename scalar_t>
 __device__ __forceinline__ void place_run(scalar_t* x, int64_t numel, const Scratch& scratch, const Picks& picks,
                                           bool clear, int run, int64_t before, uint32_t count, const int2* slots,
                                           const int2 (&early)[kEarlySlots]) {
   const int lane = threadIdx.x % 32;
   if (run == scratch.runs - 1 && lane == 0) *picks.qualifying = before + count;
-  if (before >= picks.k) return;
-  if (count <= static_cast<uint32_t>(scratch.capacity) || before + scratch.capacity >= picks.k) {
-    const auto taken = static_cast<uint32_t>(std::min<int64_t>(count, picks.k - before));
+  const bool cleared = kClearsInStream<scalar_t> && clear;  // the slots' entries, by the streaming pass
+  const auto slotted = std::min<uint32_t>(count, static_cast<uint32_t>(scratch.capacity));
+  // Slot j's entry is pick before + j: taken below k, else (if cleared) restored.
+  const auto place = [&](uint32_t j, int2 s) {
+    const float v = __int_as_float(s.x);
+    if (before + j < picks.k) {
+      take(x, picks, before + j, s.y, v, clear && !cleared);
+    } else if (cleared) {
+      x[s.y] = static_cast<scalar_t>(v);
+    }
+  };
+  if (!cleared && before >= picks.k) return;
 #pragma unroll
-    for (int i = 0; i < kEarlySlots; ++i) {
-      const uint32_t j = lane + 32 * i;
-      if (j < taken) take(x, picks, before + j, early[i].y, __int_as_float(early[i].x), clear);
-    }
-    for (uint32_t j = lane + 32 * kEarlySlots; j < taken; j += 32) {
-      const int2 s = slots[j];
-      take(x, picks, before + j, s.y, __int_as_float(s.x), clear);
-    }
-    return;
+  for (int i = 0; i < kEarlySlots; ++i) {
+    const uint32_t j = lane + 32 * i;
+    if (j < slotted) place(j, early[i]);
   }
-  // Read the run again, 4 entries a lane a step (index order: lane, then entry).
+  for (uint32_t j = lane + 32 * kEarlySlots; j < slotted; j += 32) place(j, slots[j]);
+  if (count == slotted || before + slotted >= picks.k) return;
+  // Read the rest of the run again, 4 entries a lane a step (index order: lane, then entry).
   const float threshold = *scratch.threshold;
   const int64_t to = std::min<int64_t>(numel, first_tile_of(scratch, run + 1) * kWarpTile);
-  int64_t next = before;
-  for (int64_t at = first_tile_of(scratch, run) * kWarpTile; at < to && next < picks.k; at += 128) {
+  int64_t next = before + slotted;
+  const int64_t from = slotted == 0 ? first_tile_of(scratch, run) * kWarpTile : int64_t{slots[slotted - 1].y} + 1;
+  for (int64_t at = from; at < to && next < picks.k; at += 128) {
     const int64_t i = at + 4 * lane;
     float v[4];
     uint32_t flags = 0;
@@ -490,8 +511,8 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
       dependent::launch(false, sample_threshold_kernel<scalar_t, 1>, 1, kSampleThreads, 0, stream, bucket, sample,
                         scratch.threshold, scratch.overflow);
     }
-    dependent::launch(overlap, kStreaming, streaming, kThreads, shared, stream, bucket, numel, scratch, aligned16,
-                      Zeroes{out, 2 * k}, block_counts);
+    dependent::launch(overlap, kStreaming, streaming, kThreads, shared, stream, in, numel, scratch, aligned16,
+                      Zeroes{out, 2 * k}, block_counts, clear);
     dependent::launch(overlap, place_kernel<scalar_t>, streaming, kThreads, 0, stream, in, numel, scratch,
                       static_cast<const uint32_t*>(block_counts), picks, clear);
     if (clear) {
