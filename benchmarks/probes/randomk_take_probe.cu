@@ -2,7 +2,9 @@
 // gather its k = numel/100 stratified draws, clear them: error feedback) should cut its work into
 // blocks to get close to a read-only stream. Variants differ in the slice a block owns, the 16-byte
 // loads a thread has in flight, the blocks an SM must hold (launch bounds) and whether the last
-// block's ticket (which marks values[0] on an overflow) is kept. Each variant is checked against
+// block's ticket (which marks values[0] on an overflow) is kept; some leave out parts of take
+// (the clearing, or the draws) to price them, and persistent blocks (one wave, each taking
+// several slices) ask L2 for their next slice as they start one. Each variant is checked against
 // the draw computed on the host before it is timed. Results: benchmarks/results/NOTES.md.
 //   nvcc -O3 -arch=sm_90 -std=c++20 --expt-relaxed-constexpr -Icsrc -o /tmp/rtp benchmarks/probes/randomk_take_probe.cu && /tmp/rtp
 #include <commtune/kernels/random_k_draw.h>  // header-only: the stratified draw
