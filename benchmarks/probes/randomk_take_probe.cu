@@ -81,6 +81,19 @@ __device__ __forceinline__ bool take_slice(float* x, int64_t slice, int64_t nume
   return found;
 }
 
+// Thread 0 of each block: its ticket; the last block marks values[0] if any block found an Inf or
+// a NaN. kSelfReset: the ticket wraps to 0 at the last block (atomicInc) and the last block clears
+// the flag, so the state stays zeroed between calls and no memset goes before each.
+template <bool kSelfReset>
+__device__ __forceinline__ void last_block_marks(bool found, uint32_t* state, float* values) {
+  if (found) atomicOr(state, 1u);
+  __threadfence();
+  const uint32_t ticket = kSelfReset ? atomicInc(state + 1, gridDim.x - 1) : atomicAdd(state + 1, 1u);
+  if (ticket != gridDim.x - 1) return;
+  __threadfence();
+  if ((kSelfReset ? atomicExch(state, 0u) : atomicOr(state, 0u)) != 0u) values[0] = __int_as_float(0x7FC00000);
+}
+
 // A block owns kSlice entries (numel % 4 == 0 and x 16-byte aligned here: the landed kernel also
 // walks unaligned heads and tails), its threads read them G packs at a time.
 template <int kSlice, int kMinBlocks, int G, bool kTicket, bool kSelfReset = false,
@@ -93,14 +106,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) take(float* x, int64_t n
     if (found && threadIdx.x == 0) atomicOr(state, 1u);
     return;
   }
-  if (found) atomicOr(state, 1u);
-  __threadfence();
-  // kSelfReset: the ticket wraps to 0 at the last block (atomicInc) and the last block clears the
-  // flag, so the state stays zeroed between calls and no memset goes before each.
-  const uint32_t ticket = kSelfReset ? atomicInc(state + 1, gridDim.x - 1) : atomicAdd(state + 1, 1u);
-  if (ticket != gridDim.x - 1) return;
-  __threadfence();
-  if ((kSelfReset ? atomicExch(state, 0u) : atomicOr(state, 0u)) != 0u) values[0] = __int_as_float(0x7FC00000);
+  last_block_marks<kSelfReset>(found, state, values);
 }
 
 // Persistent blocks (a wave: kMinBlocks an SM), each taking slices blockIdx.x, + gridDim.x, ...:
@@ -121,12 +127,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) take_persistent(float* x
     }
     found |= take_slice<kSlice, G, Draws::gather_and_clear>(x, slice, numel, seed, values, k, draws);
   }
-  if (threadIdx.x != 0) return;
-  if (found) atomicOr(state, 1u);
-  __threadfence();
-  if (atomicInc(state + 1, gridDim.x - 1) != gridDim.x - 1) return;
-  __threadfence();
-  if (atomicExch(state, 0u) != 0u) values[0] = __int_as_float(0x7FC00000);
+  if (threadIdx.x == 0) last_block_marks<true>(found, state, values);
 }
 
 // A read-only stream of the bucket, one 16 KB tile a block (stream_probe.cu's fastest read).

@@ -8,7 +8,7 @@
 //    keeps them in shared memory; they go to the run's slots in a scratch buffer in whole runs
 //    (room for twice the expected number).
 //    With `clear`, it also zeroes in the bucket each entry it keeps a slot for (fp32, fp16, bf16:
-//    a slot's float holds their value exactly), while its line is still in L2.
+//    a slot's float holds their value exactly), just after reading it.
 // 3. A block for each streaming block, a warp for each run, adds up the counts of the runs before
 //    it and copies the run's entries to their places among the first k; an entry that the
 //    streaming pass cleared and that falls past the k-th gets its value back. A run with more
@@ -287,14 +287,13 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
         const int2 entry =
             make_int2(__float_as_int(static_cast<float>(values[j])), static_cast<int>(tile * kWarpTile) + j);
         const uint32_t at = (direct ? 0u : held) + slot;  // among the entries not yet written
+        const bool kept = written + at < static_cast<uint32_t>(scratch.capacity);  // it gets a slot
         if (!direct) {
           buffered[at] = entry;
-        } else if (written + at < static_cast<uint32_t>(scratch.capacity)) {
+        } else if (kept) {
           slots[written + at] = entry;
         }
-        if (kClearsInStream<scalar_t> && clear && written + at < static_cast<uint32_t>(scratch.capacity)) {
-          x[entry.y] = scalar_t(0);
-        }
+        if (kClearsInStream<scalar_t> && clear && kept) x[entry.y] = scalar_t(0);
       }
       if (direct) {
         written += count;
