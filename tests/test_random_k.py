@@ -28,9 +28,9 @@ def on_device(x, device, offset):
     return base[offset:]
 
 
-def take(x, k, seed, clear):
+def take(x, k, seed, clear, add=None):
     values = torch.full((k,), -7.0, dtype=x.dtype, device=x.device)  # not zeros: every value is written
-    _C.random_k_take_(x, seed, values, clear)
+    _C.random_k_take_(x, seed, values, clear, add)
     return values
 
 
@@ -116,6 +116,50 @@ def test_an_overflow_anywhere_makes_the_first_value_nan_and_leaves_the_buffer(de
         torch.testing.assert_close(on.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("clear", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (0, 1)], ids=["aligned", "both off", "apart"])
+def test_take_with_add_is_add_then_take(device, dtype, clear, shape, offsets):
+    # Error feedback's add fused into the take (the hook's call); "apart": x and add start at other
+    # offsets from 16 bytes, where the CUDA side adds first instead.
+    (numel, k), seed = shape, 42
+    gen = torch.Generator().manual_seed(3)
+    error, grad = (torch.randn(numel, generator=gen).to(dtype) for _ in range(2))
+    on, add = on_device(error, device, offsets[0]), on_device(grad, device, offsets[1])
+    values = take(on, k, seed, clear, add)
+    summed = error + grad  # at::add_ on the CPU: the sum in opmath, rounded once to dtype
+    positions = _C.random_k_positions(numel, k, seed)
+    assert torch.equal(values.cpu(), summed[positions])
+    if clear:
+        summed[positions] = 0
+    assert torch.equal(on.cpu(), summed)
+    assert torch.equal(add.cpu(), grad)  # only read
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["missed", "drawn", "head", "last entry"])
+def test_a_sum_that_overflows_is_caught_and_cleared(device, where):
+    # Both terms finite, their fp16 sum Inf: the fused pass checks what it writes, not what it read.
+    numel, k, seed = 200_001, 20, 5
+    positions = _C.random_k_positions(numel, k, seed)
+    at = {"missed": int(positions[7]) + 1, "drawn": int(positions[7]), "head": 0, "last entry": numel - 1}[where]
+    assert where in ("drawn", "head") or at not in set(positions.tolist())
+    error = torch.randn(numel, generator=torch.Generator().manual_seed(6)).half()
+    grad = error.clone()
+    error[at], grad[at] = 60000.0, 60000.0
+    on = on_device(error, device, 1)  # off alignment: the head is walked one entry at a time
+    values = take(on, k, seed, True, on_device(grad, device, 1)).cpu()
+    assert torch.isnan(values[0])
+    expected = error + grad
+    assert torch.isinf(expected[at])
+    torch.testing.assert_close(values[1:], expected[positions][1:], rtol=0, atol=0, equal_nan=True)
+    expected[positions] = 0
+    expected[at] = 0
+    assert torch.equal(on.cpu(), expected)
+
+
 def test_a_double_above_float_range_is_no_overflow():
     x = torch.full((1000,), 1e300, dtype=torch.float64)
     values = take(x, 10, 3, True)
@@ -137,7 +181,8 @@ def test_place_puts_the_mean_at_the_drawn_positions_and_zeros_elsewhere(device, 
     assert torch.equal(out.cpu(), expected)
 
 
-@pytest.mark.parametrize("call", ["float values", "short bucket", "2-D bucket", "int bucket", "ranks 0", "k above numel"])
+@pytest.mark.parametrize("call", ["float values", "short bucket", "2-D bucket", "int bucket", "ranks 0", "k above numel",
+                                  "double add", "short add", "overlapping add"])
 def test_refusals_name_the_argument(call):
     x = torch.randn(100)
     with pytest.raises(RuntimeError, match="RandomK"):
@@ -151,5 +196,11 @@ def test_refusals_name_the_argument(call):
             _C.random_k_place_(torch.empty(10, dtype=torch.int32), 1, torch.zeros(100, dtype=torch.int32), 2)
         elif call == "ranks 0":
             _C.random_k_place_(torch.empty(10), 1, x, 0)
-        else:
+        elif call == "k above numel":
             _C.random_k_take_(x, 1, torch.empty(101), False)
+        elif call == "double add":
+            _C.random_k_take_(x, 1, torch.empty(10), True, x.double())
+        elif call == "short add":
+            _C.random_k_take_(x, 1, torch.empty(10), True, torch.zeros(99))
+        else:
+            _C.random_k_take_(x[:50], 1, torch.empty(10), True, x[25:75])

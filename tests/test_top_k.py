@@ -42,39 +42,54 @@ def assert_cleared_where_taken(on, x, indices, qualifying, k, clear):
     torch.testing.assert_close(on.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
-def pick(x, k, clear):
+def pick(x, k, clear, add=None):
     # not zeros: the unused slots must be cleared by the call
     piece = torch.full((2 * k,), -1, dtype=torch.int32, device=x.device)
     qualifying = torch.full((1,), -1, dtype=torch.int64, device=x.device)
-    _C.threshold_top_k_(x, k, piece, qualifying, clear)
+    _C.threshold_top_k_(x, k, piece, qualifying, clear, add)
     return piece[:k].view(torch.float32).cpu(), piece[k:].cpu(), int(qualifying.item())
 
 
-def assert_picks_follow_the_rule(x, on, k, clear):
+def assert_picks_follow_the_rule(x, on, k, clear, add=None):
     """One call on `on` (x on a device) against the rule applied to x: the count, the picks in
-    order, and the bucket afterwards. Returns how many qualified."""
+    order, and the bucket afterwards. With `add` (a tensor on on's device: error feedback's add
+    fused into the call), the rule applies to x + add, summed by at::add_ on the CPU. Returns how
+    many qualified."""
     x = x.clone()  # the bucket as it was: on a CPU device `on` may be x itself, cleared by the call
+    if add is not None:
+        added = add.cpu().clone()
+        x += added
     values, indices, qualifying = rule(x, k)
-    got_values, got_indices, got_qualifying = pick(on, k, clear)
+    got_values, got_indices, got_qualifying = pick(on, k, clear, add)
     assert got_qualifying == qualifying
     assert torch.equal(got_indices, indices) and torch.equal(got_values.view(torch.int32), values.view(torch.int32))
     assert_cleared_where_taken(on, x, indices, qualifying, k, clear)
+    if add is not None:
+        assert torch.equal(add.cpu(), added)  # only read
     return qualifying
+
+
+def gradient_like(x, seed):
+    """A second bucket to add to x (error feedback's new gradient): its own values, x's dtype."""
+    return torch.randn(x.numel(), generator=torch.Generator().manual_seed(seed)).to(x.dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("numel,k", [(1000, 10), (16384, 164), (100_000, 1000), (1_000_003, 10_000), (50, 50)])
 @pytest.mark.parametrize("clear", [False, True])
-def test_picks_follow_the_rule(device, numel, k, clear):
+@pytest.mark.parametrize("adds", [False, True], ids=["alone", "with add"])
+def test_picks_follow_the_rule(device, numel, k, clear, adds):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     x[::7] *= 1e-3  # many magnitudes, and ties among the zeros below
     x[::11] = 0
-    assert_picks_follow_the_rule(x, x.to(device), k, clear)
+    add = gradient_like(x, 1).to(device) if adds else None
+    assert_picks_follow_the_rule(x, x.to(device), k, clear, add)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("clear", [False, True])
-def test_picks_follow_the_rule_when_they_crowd_together(device, clear):
+@pytest.mark.parametrize("adds", [False, True], ids=["alone", "with add"])
+def test_picks_follow_the_rule_when_they_crowd_together(device, clear, adds):
     # Most qualifying entries lie in 20000 of 300000. On CUDA each warp of the streaming pass
     # takes one tile of 512 here, and those tiles hold more than the warp keeps: more than its
     # buffer (64; written to its slots directly) and more than its slots (twice the expected
@@ -83,7 +98,8 @@ def test_picks_follow_the_rule_when_they_crowd_together(device, clear):
     x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
     x[100_000:120_000] *= 1000
     k = 12_000
-    qualifying = assert_picks_follow_the_rule(x, x.to(device), k, clear)
+    add = gradient_like(x, 2).to(device) if adds else None
+    qualifying = assert_picks_follow_the_rule(x, x.to(device), k, clear, add)
     assert qualifying > 0.4 * 20_000  # mostly the crowded stretch
 
 
@@ -110,7 +126,8 @@ def test_the_threshold_is_the_samples_want_th_largest(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["nan_last", "nans_fill_the_sample", "inf_among_many", "minus_inf_fp16"])
+@pytest.mark.parametrize("case", ["nan_last", "nans_fill_the_sample", "inf_among_many", "minus_inf_fp16",
+                                  "sum_overflows_fp16"])
 def test_an_inf_or_nan_anywhere_makes_the_first_value_nan(device, case):
     # A NaN never qualifies and an Inf may come after the first k picks: the first value sent
     # carries the overflow instead, so that every rank's sum shows it (a loss scaler then skips
@@ -124,11 +141,17 @@ def test_an_inf_or_nan_anywhere_makes_the_first_value_nan(device, case):
     elif case == "inf_among_many":
         x[100_000:120_000] = 1000.0  # ties at the threshold: 20000 qualify, and the Inf after them is not taken
         x[250_000] = float("inf")
-    else:
+    elif case == "minus_inf_fp16":
         x = x.half()
         x[123_457] = float("-inf")
-    qualifying = assert_picks_follow_the_rule(x, x.clone().to(device), k, True)
-    values, _, _ = pick(x.clone().to(device), k, False)
+    add = None
+    if case == "sum_overflows_fp16":  # both finite, their sum Inf: the fused add checks what it writes
+        x = x.half()
+        add = torch.zeros_like(x)
+        x[123_457], add[123_457] = 60000.0, 60000.0
+        add = add.to(device)
+    qualifying = assert_picks_follow_the_rule(x, x.clone().to(device), k, True, add)
+    values, _, _ = pick(x.clone().to(device), k, False, add)
     assert torch.isnan(values[0])
     if case == "nans_fill_the_sample":
         assert qualifying == 0
@@ -174,7 +197,8 @@ def test_cuda_and_cpu_pick_the_same(dtype):
         (torch.float64, 0),
     ],
 )
-def test_cuda_picks_follow_the_rule_with_many_tiles_a_warp(dtype, offset):
+@pytest.mark.parametrize("adds", [False, True], ids=["alone", "with add"])
+def test_cuda_picks_follow_the_rule_with_many_tiles_a_warp(dtype, offset, adds):
     # 15M entries: on an H100 or H200 each warp of the streaming pass takes a run of four or five
     # tiles of 512, the first two loaded while the threshold is found (sm_90 on). A bucket not 16-byte
     # aligned (offset 1; fp16 at offset 4 is 8 bytes off) has its tiles copied entry by entry.
@@ -183,7 +207,9 @@ def test_cuda_picks_follow_the_rule_with_many_tiles_a_warp(dtype, offset):
     x = x.to(dtype)
     k = 150_000
     on = torch.cat([torch.zeros(offset, dtype=dtype), x]).cuda()[offset:]
-    assert_picks_follow_the_rule(x, on, k, True)
+    # an aligned add with an aligned bucket is fused into the stream; off alignment it goes first
+    add = gradient_like(x, 9).cuda() if adds else None
+    assert_picks_follow_the_rule(x, on, k, True, add)
 
 
 @needs_cuda
@@ -195,25 +221,31 @@ def test_cuda_picks_follow_the_rule_when_a_warp_fills_its_buffer():
     x = torch.randn(15_000_000, generator=torch.Generator().manual_seed(6))
     k = 1_050_000
     assert_picks_follow_the_rule(x, x.cuda(), k, True)
+    assert_picks_follow_the_rule(x, x.cuda(), k, True, gradient_like(x, 3).cuda())
 
 
 @needs_cuda
 @pytest.mark.needs_cuda
-def test_cuda_calls_queued_back_to_back_see_each_other():
+@pytest.mark.parametrize("adds", [False, True], ids=["alone", "with add"])
+def test_cuda_calls_queued_back_to_back_see_each_other(adds):
     # Each call's kernels start before the previous kernel ends (sm_90 on); a call must still see
     # the entries the call before it cleared. Three calls queued without a sync, against the rule
-    # applied three times.
+    # applied three times (with `adds`, each call adds the same gradient first, as a hook's steps do).
     x = torch.randn(5_000_000, generator=torch.Generator().manual_seed(6))
     k = 50_000
     on = x.cuda()
+    add = gradient_like(x, 4) if adds else None
+    add_on = add.cuda() if adds else None
     pieces, counts = [], []
     for _ in range(3):
         piece = torch.full((2 * k,), -1, dtype=torch.int32, device="cuda")
         count = torch.full((1,), -1, dtype=torch.int64, device="cuda")
-        _C.threshold_top_k_(on, k, piece, count, True)
+        _C.threshold_top_k_(on, k, piece, count, True, add_on)
         pieces.append(piece)
         counts.append(count)
     for piece, count in zip(pieces, counts):
+        if adds:
+            x += add
         values, indices, qualifying = rule(x, k)
         x[indices[: min(qualifying, k)].long()] = 0
         assert int(count.item()) == qualifying
@@ -234,6 +266,10 @@ def test_bad_arguments_are_refused(device):
         _C.threshold_top_k_(x.view(10, 10), 10, piece, count, False)
     with pytest.raises(RuntimeError, match="int64"):
         _C.threshold_top_k_(x, 10, piece, count.int(), False)
+    with pytest.raises(RuntimeError, match="added to the bucket must be a contiguous 1-D Float tensor of 100"):
+        _C.threshold_top_k_(x, 10, piece, count, True, torch.zeros(99, device=device))
+    with pytest.raises(RuntimeError, match="added to the bucket overlaps it"):
+        _C.threshold_top_k_(x[:50], 5, piece[:10], count, True, x[25:75])
 
 
 # ---- the hook through DDP -------------------------------------------------------------------

@@ -210,7 +210,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("min_size", &RandomKOptions::min_size);
   def_make<RandomKHook>(m, "make_randomk");
   // RandomK's passes on their own (kernel tests and benchmarks); see random_k.h.
-  m.def("random_k_take_", &random_k_take_, py::arg("x"), py::arg("seed"), py::arg("values"), py::arg("clear"));
+  m.def("random_k_take_",
+        [](const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear, const std::optional<at::Tensor>& add) {
+          random_k_take_(x, seed, values, clear, add.value_or(at::Tensor()));
+        },
+        py::arg("x"), py::arg("seed"), py::arg("values"), py::arg("clear"), py::arg("add") = py::none());
   m.def("random_k_place_", &random_k_place_, py::arg("summed"), py::arg("seed"), py::arg("out"), py::arg("ranks"));
   m.def("random_k_positions", &random_k_positions, py::arg("numel"), py::arg("k"), py::arg("seed"),
         "the k positions a draw takes (on the CPU)");
@@ -228,8 +232,13 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("gathered"), py::arg("out"), py::arg("ranks"), py::arg("chunk"));
   // The quantized allreduce's passes on their own (kernel tests and benchmarks); see quantize.h.
-  m.def("threshold_top_k_", &threshold_top_k_, py::arg("x"), py::arg("k"), py::arg("piece"), py::arg("qualifying"),
-        py::arg("clear"), "TopK's threshold selection (see kernels/top_k.h); returns nothing, fills piece and qualifying");
+  m.def("threshold_top_k_",
+        [](const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying, bool clear,
+           const std::optional<at::Tensor>& add) {
+          threshold_top_k_(x, k, piece, qualifying, clear, add.value_or(at::Tensor()));
+        },
+        py::arg("x"), py::arg("k"), py::arg("piece"), py::arg("qualifying"), py::arg("clear"), py::arg("add") = py::none(),
+        "TopK's threshold selection (see kernels/top_k.h); returns nothing, fills piece and qualifying");
   m.def("top_k_sample", [](int64_t numel, int64_t k) {
     const TopKSample s = TopKSample::of(numel, k);
     return py::make_tuple(s.size, s.stride, s.want);

@@ -4,6 +4,7 @@
 // (torch 2.11, GCC 13) streaming an integer into TORCH_CHECK's message segfaults inside
 // std::ostream::_M_insert<long>, in any extension built there (a load_inline one too).
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <cstdint>
 #include <string>
@@ -43,6 +44,18 @@ inline void check_values(const at::Tensor& t, int64_t numel, const char* scheme,
 inline void check_same_device(const at::Tensor& on, const at::Tensor& t, const char* scheme, const char* what) {
   TORCH_CHECK(t.device() == on.device(), scheme, ": ", what, " must be on ", on.device().str(), " with the rest, got ",
               t.device().str());
+}
+
+// A tensor a pass adds to the bucket before it reads it (error feedback's add of the gradient,
+// fused into the pass): the bucket's dtype, length and device, and not a part of the bucket.
+inline void check_addend(const at::Tensor& bucket, const at::Tensor& add, const char* scheme) {
+  TORCH_CHECK(add.dim() == 1 && add.is_contiguous() && add.scalar_type() == bucket.scalar_type() &&
+                  add.numel() == bucket.numel(),
+              scheme, ": the tensor added to the bucket must be a contiguous 1-D ", bucket.scalar_type(), " tensor of ",
+              std::to_string(bucket.numel()), " entries, got ", add.scalar_type(), " ", shape_of(add));
+  check_same_device(bucket, add, scheme, "the tensor added to the bucket");
+  TORCH_CHECK(at::get_overlap_status(bucket, add) != at::MemOverlapStatus::Partial, scheme,
+              ": the tensor added to the bucket overlaps it in part; pass a separate tensor (or the bucket itself)");
 }
 
 } // namespace commtune

@@ -23,11 +23,11 @@ Hook::Launch RandomKHook::communicate(c10d::GradBucket& bucket) {
   // computed by the kernels themselves (kernels/random_k.h).
   const uint64_t seed = quant::mix(quant::mix(static_cast<uint64_t>(options_.seed) ^ static_cast<uint64_t>(iteration())) ^
                                    static_cast<uint64_t>(bucket.getIndex()));
-  const at::Tensor x = options_.error_feedback ? add_to_error(bucket) : buffer;
+  // With error feedback the take adds the bucket to the error buffer in its own pass, and what is
+  // sent leaves that buffer, as does an overflow (values[0] carries it to every rank instead).
+  const at::Tensor x = options_.error_feedback ? error_of(bucket) : buffer;
   at::Tensor values = at::empty({k}, x.options());
-  // With error feedback what is sent leaves the buffer, and so does an overflow (values[0]
-  // carries it to every rank instead).
-  random_k_take_(x, seed, values, options_.error_feedback);
+  random_k_take_(x, seed, values, options_.error_feedback, options_.error_feedback ? buffer : at::Tensor());
   auto future = allreduce_sum(values);
   const int64_t n = world_size();
   auto finish = [buffer, seed, n](const at::Tensor& summed) mutable {

@@ -15,18 +15,20 @@ TopKHook::TopKHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const O
 }
 
 // One int32 piece per rank: the values as float32 bits, then the indices. With error feedback
+// x is the error buffer and `add` the bucket: the threshold selection adds it in its own pass;
 // the picked entries of x are sent in full, so they leave the error buffer.
-at::Tensor TopKHook::pick(const at::Tensor& x, int64_t k) {
+at::Tensor TopKHook::pick(const at::Tensor& x, int64_t k, const at::Tensor& add) {
   at::Tensor piece = at::empty({2 * k}, x.options().dtype(at::kInt));
   if (options_.selection == Selection::threshold) {
     at::Tensor qualifying = at::empty({1}, x.options().dtype(at::kLong));
-    threshold_top_k_(x, k, piece, qualifying, options_.error_feedback);  // clears an overflow too
+    threshold_top_k_(x, k, piece, qualifying, options_.error_feedback, add);  // clears an overflow too
     std::lock_guard<std::mutex> lock(qualifying_mutex_);
     if (!qualifying_total_.defined()) qualifying_total_ = at::zeros({1}, qualifying.options());
     qualifying_total_.add_(qualifying);
     wanted_total_ += k;
     return piece;
   }
+  if (add.defined()) x.add_(add);
   const at::Tensor indices = std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false));
   piece.narrow(0, 0, k).view(at::kFloat).copy_(x.index_select(0, indices));
   piece.narrow(0, k, k).copy_(indices);
@@ -54,8 +56,8 @@ Hook::Launch TopKHook::communicate(c10d::GradBucket& bucket) {
   TORCH_CHECK(buffer.numel() < (int64_t{1} << 31), "commtune.TopK: a bucket of ", std::to_string(buffer.numel()),
               " elements is too large for int32 indices; lower bucket_cap_mb");
   const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(options_.ratio * buffer.numel())));
-  const at::Tensor x = options_.error_feedback ? add_to_error(bucket) : buffer;
-  at::Tensor piece = pick(x, k);
+  const at::Tensor x = options_.error_feedback ? error_of(bucket) : buffer;
+  at::Tensor piece = pick(x, k, options_.error_feedback ? buffer : at::Tensor());
   const int64_t n = world_size();
   at::Tensor gathered = at::empty({n * 2 * k}, piece.options());
   auto future = all_gather_into(gathered, piece);

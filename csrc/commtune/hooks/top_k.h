@@ -30,8 +30,8 @@ class TopKHook : public ErrorFeedbackHook {
   Launch communicate(c10d::GradBucket& bucket) override;
 
  private:
-  // The piece (values then indices) of the k entries picked from x.
-  at::Tensor pick(const at::Tensor& x, int64_t k);
+  // The piece (values then indices) of the k entries picked from x, after x += add if add is given.
+  at::Tensor pick(const at::Tensor& x, int64_t k, const at::Tensor& add);
 
   Options options_;
   std::mutex qualifying_mutex_;

@@ -41,11 +41,13 @@ at::Tensor random_k_positions(int64_t numel, int64_t k, uint64_t seed) {
   return out;
 }
 
-void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear) {
+void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear, const at::Tensor& add) {
   check_pair(x, values, "the bucket");
+  if (add.defined()) check_addend(x, add, "RandomK");
 #ifdef COMMTUNE_WITH_CUDA
-  if (x.is_cuda()) return random_k_take_cuda_(x, seed, values, clear);
+  if (x.is_cuda()) return random_k_take_cuda_(x, add, seed, values, clear);
 #endif
+  if (add.defined()) x.add_(add);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "random_k_take", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
     scalar_t* out = values.mutable_data_ptr<scalar_t>();

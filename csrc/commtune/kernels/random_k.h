@@ -21,14 +21,18 @@ at::Tensor random_k_positions(int64_t numel, int64_t k, uint64_t seed);
 // values (x's dtype, k = values.numel() entries) = x at the k drawn positions. An Inf or a NaN
 // anywhere in x makes values[0] NaN, so that every rank's sum shows the overflow (a loss scaler
 // then skips the step). With `clear` (error feedback: x is the error buffer), the drawn
-// positions of x become 0 (sent in full), and so does every Inf and NaN of x.
-void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear);
+// positions of x become 0 (sent in full), and so does every Inf and NaN of x. With `add` (x's
+// dtype, numel and device), x += add first, as at::add_ would, in the same pass on CUDA: error
+// feedback's add of the new gradient, without a pass of its own over the bucket.
+void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear,
+                    const at::Tensor& add = {});
 
 // out = 0, except at the drawn positions: summed / ranks there (summed: k values).
 void random_k_place_(const at::Tensor& summed, uint64_t seed, const at::Tensor& out, int64_t ranks);
 
 #ifdef COMMTUNE_WITH_CUDA
-void random_k_take_cuda_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear);
+void random_k_take_cuda_(const at::Tensor& x, const at::Tensor& add, uint64_t seed, const at::Tensor& values,
+                         bool clear);
 void random_k_place_cuda_(const at::Tensor& summed, uint64_t seed, const at::Tensor& out, int64_t ranks);
 #endif
 

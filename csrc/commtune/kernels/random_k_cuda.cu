@@ -5,6 +5,7 @@
 // for an Inf or a NaN, then gathers its draws (clearing them with error feedback), and the last
 // block to finish marks values[0] if any block found one. Placing is one kernel: a block zeroes
 // its slice in 16-byte stores, then writes its draws' means.
+#include <commtune/kernels/fused_add.cuh>
 #include <commtune/kernels/random_k.h>
 
 #include <ATen/Dispatch.h>
@@ -100,16 +101,57 @@ __device__ bool scan_slice(T* x, int64_t lo, int64_t hi, bool clear) {
   return found;
 }
 
-// The slice is read first, its loads issued at once (a gather first would hold them back a DRAM
-// round trip a block); the gather after it finds the slice in L2. The scan writes nothing, so an
-// Inf or a NaN to clear (rare: a loss scaler's overflow) takes a second pass in its block only.
+// Error feedback fused with its add (x the error buffer, add the new gradient): x[lo, hi) += add,
+// one pass that reads both and writes x in full; returns whether a sum is an Inf or a NaN (this
+// thread's share). An overflow stays in x: the gather sends it, and its block clears it after.
+template <typename T>
+__device__ bool add_slice(T* x, const T* add, int64_t lo, int64_t hi) {
+  bool found = false;
+  auto sum = [&](T& v, T a) {
+    v = fused_sum(v, a);
+    found |= overflows(v);
+  };
+  const PackedSpan span = packed_span(x, lo, hi);  // add shares x's alignment (checked on the host)
+  for (int64_t i = lo + threadIdx.x; i < span.packs; i += kThreads) sum(x[i], add[i]);
+  for (int64_t i = span.tail + threadIdx.x; i < hi; i += kThreads) sum(x[i], add[i]);
+  auto* packs = reinterpret_cast<Pack<T>*>(x + span.packs);
+  const auto* adds = reinterpret_cast<const Pack<T>*>(add + span.packs);
+  const int64_t n = (span.tail - span.packs) / Pack<T>::kCount;
+  int64_t p = threadIdx.x;
+  for (; p + 3 * kThreads < n; p += 4 * kThreads) {  // four 16-byte loads of each in flight a thread
+    Pack<T> v[4], a[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = packs[p + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) a[u] = adds[p + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int e = 0; e < Pack<T>::kCount; ++e) sum(v[u].v[e], a[u].v[e]);
+      packs[p + u * kThreads] = v[u];
+    }
+  }
+  for (; p < n; p += kThreads) {
+    Pack<T> v = packs[p];
+    const Pack<T> a = adds[p];
+#pragma unroll
+    for (int e = 0; e < Pack<T>::kCount; ++e) sum(v.v[e], a.v[e]);
+    packs[p] = v;
+  }
+  return found;
+}
+
+// The slice is read first (with `add`, summed and written), its loads issued at once (a gather
+// first would hold them back a DRAM round trip a block); the gather after it finds the slice in
+// L2. The scan writes nothing, so an Inf or a NaN to clear (rare: a loss scaler's overflow) takes
+// a second pass in its block only.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) take_kernel(scalar_t* x, int64_t numel, uint64_t seed, scalar_t* values,
-                                                         int64_t k, bool clear, uint32_t* state) {
+__global__ void __launch_bounds__(kThreads) take_kernel(scalar_t* x, const scalar_t* add, int64_t numel, uint64_t seed,
+                                                         scalar_t* values, int64_t k, bool clear, uint32_t* state) {
   __shared__ int64_t draws[2];
   const Slice slice = block_slice(numel);
   find_draws(slice, seed, numel, k, draws);
-  bool found = scan_slice(x, slice.lo, slice.hi, false);
+  bool found = add != nullptr ? add_slice(x, add, slice.lo, slice.hi) : scan_slice(x, slice.lo, slice.hi, false);
   __syncthreads();
   for (int64_t s = draws[0] + threadIdx.x; s < draws[1]; s += kThreads) {
     const int64_t at = random_k_position(seed, s, numel, k);
@@ -159,16 +201,21 @@ unsigned int blocks_for(int64_t numel) { return static_cast<unsigned int>((numel
 
 }  // namespace
 
-void random_k_take_cuda_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear) {
+void random_k_take_cuda_(const at::Tensor& x, const at::Tensor& add, uint64_t seed, const at::Tensor& values,
+                         bool clear) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t numel = x.numel(), k = values.numel();
+  // The fused add reads add's packs where x's lie: with another offset from 16 bytes, add first.
+  const bool fused = add.defined() && (reinterpret_cast<uintptr_t>(x.const_data_ptr()) -
+                                       reinterpret_cast<uintptr_t>(add.const_data_ptr())) % 16 == 0;
+  if (add.defined() && !fused) x.add_(add);
   at::Tensor state = at::empty({2}, x.options().dtype(at::kInt));
   C10_CUDA_CHECK(cudaMemsetAsync(state.mutable_data_ptr(), 0, state.nbytes(), stream));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "random_k_take", [&] {
     take_kernel<scalar_t><<<blocks_for(numel), kThreads, 0, stream>>>(
-        x.mutable_data_ptr<scalar_t>(), numel, seed, values.mutable_data_ptr<scalar_t>(), k, clear,
-        reinterpret_cast<uint32_t*>(state.mutable_data_ptr<int32_t>()));
+        x.mutable_data_ptr<scalar_t>(), fused ? add.const_data_ptr<scalar_t>() : nullptr, numel, seed,
+        values.mutable_data_ptr<scalar_t>(), k, clear, reinterpret_cast<uint32_t*>(state.mutable_data_ptr<int32_t>()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -21,7 +21,7 @@ TopKSample TopKSample::of(int64_t numel, int64_t k) {
 }
 
 void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
-                      bool clear) {
+                      bool clear, const at::Tensor& add) {
   const int64_t numel = x.numel();
   TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && x.is_floating_point(),
               "TopK: the bucket must be a contiguous 1-D floating-point tensor, got ", x.scalar_type(), " ",
@@ -37,10 +37,12 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
   TORCH_CHECK(qualifying.scalar_type() == at::kLong && qualifying.numel() == 1 && qualifying.device() == x.device(),
               "TopK: the count must be one int64 on ", x.device().str(), ", got ", qualifying.scalar_type(), " ",
               shape_of(qualifying), " on ", qualifying.device().str());
+  if (add.defined()) check_addend(x, add, "TopK");
   const TopKSample sample = TopKSample::of(numel, k);
 #ifdef COMMTUNE_WITH_CUDA
-  if (x.is_cuda()) return threshold_top_k_cuda_(x, k, piece, qualifying, clear, sample);
+  if (x.is_cuda()) return threshold_top_k_cuda_(x, add, k, piece, qualifying, clear, sample);
 #endif
+  if (add.defined()) x.add_(add);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
     std::vector<uint32_t> drawn(sample.size);  // the keys, as the GPU orders them (NaN above Inf)

@@ -26,8 +26,10 @@ constexpr int64_t kTopKSample = 16384;
 // that an error buffer keeps nothing of an overflow (on CUDA a pass of its own, which in a
 // bucket with none ends as it starts: no second read of the bucket). `qualifying` (int64, one
 // element, on x's device) receives how many entries qualified: the count error is that minus k.
+// With `add` (x's dtype, numel and device), x += add first, as at::add_ would; on CUDA in the same
+// pass (error feedback's add of the new gradient, x being the error buffer).
 void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
-                      bool clear);
+                      bool clear, const at::Tensor& add = {});
 
 // The sample's size and rank for a bucket of numel entries and k to take.
 struct TopKSample {
@@ -38,8 +40,8 @@ struct TopKSample {
 };
 
 #ifdef COMMTUNE_WITH_CUDA
-void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
-                           bool clear, const TopKSample& sample);
+void threshold_top_k_cuda_(const at::Tensor& x, const at::Tensor& add, int64_t k, const at::Tensor& piece,
+                           const at::Tensor& qualifying, bool clear, const TopKSample& sample);
 #endif
 
 } // namespace commtune

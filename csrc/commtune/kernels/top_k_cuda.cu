@@ -21,6 +21,7 @@
 // idle until it is found.
 #include <commtune/kernels/dependent_launch.cuh>
 #include <commtune/kernels/four.cuh>
+#include <commtune/kernels/fused_add.cuh>
 #include <commtune/kernels/top_k.h>
 #include <commtune/kernels/top_k_search.cuh>
 
@@ -31,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace commtune {
 namespace {
@@ -203,10 +205,55 @@ struct Zeroes {
   int64_t words;
 };
 
+// With error feedback's add fused in (kAdds: x the error buffer, add the new gradient, both
+// aligned to a Four), each lane loads add's entries of its groups as the tile's copy lands, sums
+// them into its share of the stage, and writes its sums back to x whole (0 for the entries it
+// keeps, with `clear`): the bucket is written in full, so clearing needs no store of its own. More
+// registers: 4 blocks an SM.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
-    streaming_kernel(scalar_t* __restrict__ x, int64_t numel, Scratch scratch, bool aligned16, Zeroes zeroes,
-                     uint32_t* block_counts, bool clear) {
+__device__ __forceinline__ void load_addend(const scalar_t* __restrict__ add, int64_t numel, int64_t tile,
+                                            four::Four<scalar_t> (&addend)[kGroups]) {
+  const int64_t base = tile * kWarpTile + 4 * (threadIdx.x % 32);
+  const bool whole = (tile + 1) * kWarpTile <= numel;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    const int64_t at = base + 128 * g;
+    if (whole) {
+      addend[g] = *reinterpret_cast<const four::Four<scalar_t>*>(add + at);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) addend[g].v[e] = at + e < numel ? add[at + e] : scalar_t(0);
+    }
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ void store_sums(scalar_t* __restrict__ x, int64_t numel, int64_t tile, const scalar_t* values,
+                                           uint32_t zeroed) {
+  const int lane = threadIdx.x % 32;
+  const bool whole = (tile + 1) * kWarpTile <= numel;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    four::Four<scalar_t> v = *reinterpret_cast<const four::Four<scalar_t>*>(values + 4 * lane + 128 * g);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (zeroed >> (4 * g + e) & 1u) v.v[e] = scalar_t(0);
+    }
+    const int64_t at = tile * kWarpTile + 4 * lane + 128 * g;
+    if (whole) {
+      *reinterpret_cast<four::Four<scalar_t>*>(x + at) = v;
+    } else {
+      for (int e = 0; e < 4 && at + e < numel; ++e) x[at + e] = v.v[e];
+    }
+  }
+}
+
+constexpr int kFusedBlocksPerSm = 4;
+
+template <typename scalar_t, bool kAdds>
+__global__ void __launch_bounds__(kThreads, kAdds ? kFusedBlocksPerSm : kStreamingBlocksPerSm)
+    streaming_kernel(scalar_t* __restrict__ x, const scalar_t* __restrict__ add, int64_t numel, Scratch scratch,
+                     bool aligned16, Zeroes zeroes, uint32_t* block_counts, bool clear) {
   extern __shared__ __align__(16) unsigned char shared_memory[];
   __shared__ uint32_t warp_counts[kWarps];
   constexpr int kDepth = kStages<scalar_t>;
@@ -222,6 +269,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
     commit_copies();  // empty groups too: the count of groups stays kDepth ahead
   }
   prefetch_tile(x, numel, first + kDepth + lane, end, aligned16, lane < kPrefetched);
+  if constexpr (kAdds) prefetch_tile(add, numel, first + lane, end, true, lane < kDepth + kPrefetched);
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; w < zeroes.words;
        w += static_cast<int64_t>(gridDim.x) * kThreads) {
     zeroes.piece[w] = 0;
@@ -234,9 +282,22 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
   float largest = 0.0f;  // of the lane's entries: Inf or NaN once one is
   int s = 0;
   for (int64_t tile = first; tile < end; ++tile) {
+    four::Four<scalar_t> addend[kGroups];
+    if constexpr (kAdds) {
+      load_addend(add, numel, tile, addend);  // before the wait: in flight with the copies
+      prefetch_tile(add, numel, tile + kDepth + kPrefetched, end, true, lane == 0);
+    }
     wait_copies<kDepth - 1>();  // this lane's copies of this tile (kDepth - 1 later ones may still load)
     __syncwarp();  // and every lane's
-    const scalar_t* values = stage(s);
+    scalar_t* values = stage(s);
+    if constexpr (kAdds) {  // the lane's own entries of the stage become the sums
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        auto& v = *reinterpret_cast<four::Four<scalar_t>*>(values + 4 * lane + 128 * g);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v.v[e] = fused_sum(v.v[e], addend[g].v[e]);  // zeros past numel stay 0
+      }
+    }
     // Group g of this lane: entries 4 * lane + 128 * g .. + 3 of the tile, so the warp's reads of
     // one g are contiguous; index order within the tile is (g, lane, entry). Indices fit in 32
     // bits.
@@ -262,6 +323,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
       }
     }
     uint32_t packed = 0;  // byte g: group g's count
+    uint32_t kept_bits = 0;  // bit 4g + e: this lane's entry got a slot (kAdds: zeroed in the store)
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) packed |= __popc((flags >> (4 * g)) & 15u) << (8 * g);
     const uint32_t inclusive = warp_inclusive_sum(packed);  // of the packed counts
@@ -293,7 +355,8 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
         } else if (kept) {
           slots[written + at] = entry;
         }
-        if (kClearsInStream<scalar_t> && clear && kept) x[entry.y] = scalar_t(0);
+        if (kept) kept_bits |= 1u << b;
+        if (!kAdds && kClearsInStream<scalar_t> && clear && kept) x[entry.y] = scalar_t(0);
       }
       if (direct) {
         written += count;
@@ -301,6 +364,7 @@ __global__ void __launch_bounds__(kThreads, kStreamingBlocksPerSm)
         held += count;
       }
     }
+    if constexpr (kAdds) store_sums(x, numel, tile, values, kClearsInStream<scalar_t> && clear ? kept_bits : 0u);
     __syncwarp();  // the stage is free, the buffer's new entries visible to the warp
     const int64_t next = tile + kDepth;
     if (next < end) copy_tile(x, numel, next, aligned16, stage(s));
@@ -470,8 +534,8 @@ int slots_per_run(const TopKSample& sample, int64_t run_entries, int64_t k) {
 
 } // namespace
 
-void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& piece, const at::Tensor& qualifying,
-                           bool clear, const TopKSample& sample) {
+void threshold_top_k_cuda_(const at::Tensor& x, const at::Tensor& add, int64_t k, const at::Tensor& piece,
+                           const at::Tensor& qualifying, bool clear, const TopKSample& sample) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t numel = x.numel();
@@ -480,44 +544,59 @@ void threshold_top_k_cuda_(const at::Tensor& x, int64_t k, const at::Tensor& pie
   const Picks picks{reinterpret_cast<float*>(out), out + k, k, qualifying.mutable_data_ptr<int64_t>()};
   const int device = x.get_device();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // The fused add (error feedback) reads add and writes x in Four accesses, and asks L2 for add's
+  // tiles: both aligned to a Four and to 16 bytes, else x += add goes first, as a pass of its own.
+  const auto vector_bytes = static_cast<uintptr_t>(std::max<int64_t>(16, 4 * x.element_size()));
+  const bool fused = add.defined() && reinterpret_cast<uintptr_t>(x.const_data_ptr()) % vector_bytes == 0 &&
+                     reinterpret_cast<uintptr_t>(add.const_data_ptr()) % vector_bytes == 0;
+  if (add.defined() && !fused) x.add_(add);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_top_k", [&] {
     scalar_t* in = x.mutable_data_ptr<scalar_t>();
-    constexpr auto kStreaming = streaming_kernel<scalar_t>;
-    const int shared = streaming_shared_bytes<scalar_t>();
-    const int wave = dependent::blocks_at_once<kStreaming, kThreads>(device, sms, shared);
-    const bool overlap = dependent::supported<kStreaming>(device);  // else plain launches
-    using threshold_search::kSampleThreads, threshold_search::kSearchBlocks, threshold_search::sample_threshold_kernel;
-    // Fewer blocks than a wave by the search's SMs: they are busy while the streaming blocks
-    // start, and a block started after the search ends would finish its runs last.
-    const int search_sms = overlap ? kSearchBlocks : 1;
-    const int streaming = static_cast<int>(
-        std::min<int64_t>((tiles + kWarps - 1) / kWarps, std::max(wave - search_sms * (wave / sms), 1)));
-    const int runs = streaming * kWarps;
-    const int64_t run_entries = (tiles + runs - 1) / runs * kWarpTile;
-    const int capacity = slots_per_run(sample, run_entries, k);
-    at::Tensor memory =
-        at::empty({2 * runs * int64_t{capacity} + runs + streaming + 2}, x.options().dtype(at::kInt));
-    int32_t* base = memory.mutable_data_ptr<int32_t>();
-    auto* counts = reinterpret_cast<uint32_t*>(base + 2 * runs * int64_t{capacity});
-    uint32_t* block_counts = counts + runs;
-    const Scratch scratch{reinterpret_cast<int2*>(base), counts, reinterpret_cast<float*>(block_counts + streaming),
-                          block_counts + streaming + 1, tiles, runs, capacity};
-    const bool aligned16 = reinterpret_cast<uintptr_t>(in) % 16 == 0;
-    const auto* bucket = static_cast<const scalar_t*>(in);
-    if (overlap) {
-      dependent::launch_cluster(kSearchBlocks, sample_threshold_kernel<scalar_t, kSearchBlocks>, kSearchBlocks,
-                                kSampleThreads, 0, stream, bucket, sample, scratch.threshold, scratch.overflow);
+    const scalar_t* addend = fused ? add.const_data_ptr<scalar_t>() : nullptr;
+    const auto launch_all = [&](auto adds) {
+      constexpr auto kStreaming = streaming_kernel<scalar_t, decltype(adds)::value>;
+      const int shared = streaming_shared_bytes<scalar_t>();
+      const int wave = dependent::blocks_at_once<kStreaming, kThreads>(device, sms, shared);
+      const bool overlap = dependent::supported<kStreaming>(device);  // else plain launches
+      using threshold_search::kSampleThreads, threshold_search::kSearchBlocks, threshold_search::sample_threshold_kernel;
+      // Fewer blocks than a wave by the search's SMs: they are busy while the streaming blocks
+      // start, and a block started after the search ends would finish its runs last.
+      const int search_sms = overlap ? kSearchBlocks : 1;
+      const int streaming = static_cast<int>(
+          std::min<int64_t>((tiles + kWarps - 1) / kWarps, std::max(wave - search_sms * (wave / sms), 1)));
+      const int runs = streaming * kWarps;
+      const int64_t run_entries = (tiles + runs - 1) / runs * kWarpTile;
+      const int capacity = slots_per_run(sample, run_entries, k);
+      at::Tensor memory =
+          at::empty({2 * runs * int64_t{capacity} + runs + streaming + 2}, x.options().dtype(at::kInt));
+      int32_t* base = memory.mutable_data_ptr<int32_t>();
+      auto* counts = reinterpret_cast<uint32_t*>(base + 2 * runs * int64_t{capacity});
+      uint32_t* block_counts = counts + runs;
+      const Scratch scratch{reinterpret_cast<int2*>(base), counts, reinterpret_cast<float*>(block_counts + streaming),
+                            block_counts + streaming + 1, tiles, runs, capacity};
+      const bool aligned16 = reinterpret_cast<uintptr_t>(in) % 16 == 0;
+      const auto* bucket = static_cast<const scalar_t*>(in);
+      if (overlap) {
+        dependent::launch_cluster(kSearchBlocks, sample_threshold_kernel<scalar_t, kSearchBlocks>, kSearchBlocks,
+                                  kSampleThreads, 0, stream, bucket, addend, sample, scratch.threshold,
+                                  scratch.overflow);
+      } else {
+        dependent::launch(false, sample_threshold_kernel<scalar_t, 1>, 1, kSampleThreads, 0, stream, bucket, addend,
+                          sample, scratch.threshold, scratch.overflow);
+      }
+      dependent::launch(overlap, kStreaming, streaming, kThreads, shared, stream, in, addend, numel, scratch, aligned16,
+                        Zeroes{out, 2 * k}, block_counts, clear);
+      dependent::launch(overlap, place_kernel<scalar_t>, streaming, kThreads, 0, stream, in, numel, scratch,
+                        static_cast<const uint32_t*>(block_counts), picks, clear);
+      if (clear) {
+        dependent::launch(overlap, clear_overflow_kernel<scalar_t>, 2 * sms, kThreads, 0, stream, in, numel,
+                          static_cast<const uint32_t*>(scratch.overflow));
+      }
+    };
+    if (fused) {
+      launch_all(std::true_type{});
     } else {
-      dependent::launch(false, sample_threshold_kernel<scalar_t, 1>, 1, kSampleThreads, 0, stream, bucket, sample,
-                        scratch.threshold, scratch.overflow);
-    }
-    dependent::launch(overlap, kStreaming, streaming, kThreads, shared, stream, in, numel, scratch, aligned16,
-                      Zeroes{out, 2 * k}, block_counts, clear);
-    dependent::launch(overlap, place_kernel<scalar_t>, streaming, kThreads, 0, stream, in, numel, scratch,
-                      static_cast<const uint32_t*>(block_counts), picks, clear);
-    if (clear) {
-      dependent::launch(overlap, clear_overflow_kernel<scalar_t>, 2 * sms, kThreads, 0, stream, in, numel,
-                        static_cast<const uint32_t*>(scratch.overflow));
+      launch_all(std::false_type{});
     }
   });
 }

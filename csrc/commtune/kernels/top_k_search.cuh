@@ -2,6 +2,7 @@
 // The first kernel of TopK's threshold selection (top_k_cuda.cu): the threshold, the want-th
 // largest |x| of the sample (TopKSample in top_k.h), found 8 bits at a time.
 #include <commtune/kernels/dependent_launch.cuh>
+#include <commtune/kernels/fused_add.cuh>
 #include <commtune/kernels/quantize_rules.h>
 #include <commtune/kernels/top_k.h>
 
@@ -65,9 +66,11 @@ __device__ __forceinline__ int bin_at(uint32_t digit) {
 // themselves (keys past the sample are 0, which cannot move the want-th largest: want <= the
 // sample's size, and no key is below 0), and every block finds the same digits from the
 // cluster's sums.
+// With `add` (error feedback's gradient, fused: top_k.h), the keys are those of x + add.
 // It also clears `overflow`, which the streaming pass sets where it meets an Inf or a NaN.
 template <typename scalar_t, int kBlocks>
 __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const scalar_t* __restrict__ x,
+                                                                          const scalar_t* __restrict__ add,
                                                                           TopKSample sample, float* threshold,
                                                                           uint32_t* overflow) {
   using Blocks = Cluster<kBlocks>;
@@ -84,7 +87,13 @@ __global__ void __launch_bounds__(kSampleThreads) sample_threshold_kernel(const 
 #pragma unroll
   for (int j = 0; j < kKeys; ++j) {
     const int64_t s = rank * kSampleThreads + threadIdx.x + static_cast<int64_t>(kBlocks) * kSampleThreads * j;
-    keys[j] = s < sample.size ? quant::float_bits(fabsf(static_cast<float>(x[s * sample.stride]))) : 0u;
+    if (s >= sample.size) {
+      keys[j] = 0u;
+      continue;
+    }
+    const int64_t i = s * sample.stride;
+    const scalar_t v = add != nullptr ? fused_sum(x[i], add[i]) : x[i];  // add: the sum the stream will see
+    keys[j] = quant::float_bits(fabsf(static_cast<float>(v)));
   }
   for (int i = threadIdx.x; i < kRounds * kBins; i += kSampleThreads) histograms[i / kBins][i % kBins] = 0;
   if (threadIdx.x == 0) few_count = 0;  // appended to after a cluster barrier

@@ -57,10 +57,13 @@ def passes_of(codes, numel, ranks, chunk, device):
 def sparsifier_passes(numel, ranks, chunk, device, calls=1):
     """SignSGD's two kernels, RandomK's two passes, and TopK's two selections, at ratio 0.01: the
     threshold one (commtune's kernels: a sampled threshold, then one pass), alone and as the hook runs it with
-    error feedback (clearing what it takes, and any Inf or NaN, from the bucket), and the exact one
-    (torch.topk: a radix select, not a sort; not ours, so outside the bar). The clearing pass gets
-    a copy of the bucket for each of its first `calls` calls (then they repeat), so that no timed
-    call sees what an earlier one cleared."""
+    error feedback (adding the bucket to the error buffer in the same pass, and clearing what it
+    takes, and any Inf or NaN, from that buffer), and the exact one (torch.topk: a radix select, not
+    a sort; not ours, so outside the bar). RandomK's take likewise, with error feedback as the hook
+    runs it and without. The clearing calls without the add (what runs when a buffer is not
+    16-byte aligned: the add then goes first, as a pass of its own) are information rows. TopK's
+    clearing calls get an error buffer of their own for each of their first `calls` calls (then
+    they repeat), so that no timed call sees what an earlier one cleared."""
     src = torch.randn(numel, device=device)
     error = torch.empty_like(src)
     out = torch.empty_like(src)
@@ -72,18 +75,25 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
     piece_k = torch.empty(2 * k, dtype=torch.int32, device=device)
     qualifying = torch.empty(1, dtype=torch.int64, device=device)
     fresh, turn = src.expand(calls, numel).clone(), itertools.count()
+    errors, turn_added = (src * 0.5).expand(calls, numel).clone(), itertools.count()
     # RandomK clears the same positions every call with the same seed: one spare bucket will do.
     spare, drawn = src.clone(), torch.empty(k, device=device)
     cleared = torch.empty_like(qualifying)
     return {
         "top-k select, ratio 0.01 (threshold)": (lambda: _C.threshold_top_k_(src, k, piece_k, qualifying, False),
                                                  4 * numel + 8 * k),
-        TOPK_AS_THE_HOOK: (lambda: _C.threshold_top_k_(fresh[next(turn) % calls], k, piece_k, cleared, True),
-                           4 * numel + 8 * k + 4 * k),
-        # The stratified draw reads and writes only inside the stream of the bucket: a read of it,
-        # the k values written and the k entries cleared (take); a write of it and the k values
-        # read (place).
-        RANDOMK_TAKE: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True), 4 * numel + 8 * k),
+        # error += bucket, the selection, and the error buffer written back whole (its picks 0)
+        TOPK_AS_THE_HOOK: (lambda: _C.threshold_top_k_(errors[next(turn_added) % calls], k, piece_k, cleared, True,
+                                                       src), 12 * numel + 8 * k),
+        TOPK_CLEAR_NO_ADD: (lambda: _C.threshold_top_k_(fresh[next(turn) % calls], k, piece_k, cleared, True),
+                            4 * numel + 8 * k + 4 * k),
+        # The stratified draw reads and writes only inside the stream of the bucket: a read of it
+        # and the k values written (take); with error feedback the bucket is also read and the
+        # error buffer written whole, its k entries sent 0; a write of it and the k values read (place).
+        RANDOMK_TAKE: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True, src), 12 * numel + 4 * k),
+        "random-k take, ratio 0.01 (read and gather: no error feedback)": (
+            lambda: _C.random_k_take_(src, RANDOMK_SEED, drawn, False), 4 * numel + 4 * k),
+        RANDOMK_CLEAR_NO_ADD: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True), 4 * numel + 8 * k),
         randomk_place(ranks): (lambda: _C.random_k_place_(drawn, RANDOMK_SEED, out, ranks), 4 * numel + 4 * k),
         "sign encode (error feedback)": (lambda: _C.sign_encode_(src, error, gathered[:piece], chunk),
                                          4 * numel + 4 * numel + piece),
@@ -94,13 +104,21 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
 
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
-RANDOMK_TAKE = "random-k take, ratio 0.01 (read, gather and clear: error feedback)"
+RANDOMK_TAKE = "random-k take, ratio 0.01 (error += bucket, gather and clear: the hook's call, error feedback)"
+RANDOMK_CLEAR_NO_ADD = "random-k take and clear, ratio 0.01, no add (error feedback's fallback, unaligned buffers)"
 RANDOMK_SEED = 2026
-TOPK_AS_THE_HOOK = "top-k select and clear, ratio 0.01 (threshold, error feedback: the hook's call)"
+TOPK_AS_THE_HOOK = "top-k error += bucket, select and clear, ratio 0.01 (threshold: the hook's call, error feedback)"
+TOPK_CLEAR_NO_ADD = "top-k select and clear, ratio 0.01, no add (error feedback's fallback, unaligned buffers)"
+# Rows outside the bars: not run by the hooks on aligned buffers (all of DDP's and commtune's),
+# or not commtune's kernels.
+INFORMATION = (RANDOMK_CLEAR_NO_ADD, TOPK_CLEAR_NO_ADD)
 LAUNCH_ALONE = "device: a one-element add (a launch alone)"
 # A full read and write of the bucket: what TopK's error feedback ran after the threshold
 # selection to keep its buffer finite, before the selection took that over (twenty-sixth session).
 NAN_TO_NUM = "device: nan_to_num_ of the bucket (a pass of its own)"
+# What error feedback ran before the selections took it over (thirty-first session): the bucket
+# added to the error buffer, a pass of its own. Quantize and SignSGD still run it.
+ERROR_ADD = "device: error += bucket (at::add_, a pass of its own)"
 WARMUP = 3  # untimed calls before each timing
 
 
@@ -119,6 +137,7 @@ def measure(numel, ranks, chunk, iters, device, codes=("int8", "int4", "e4m3"), 
     one = torch.zeros(1, device=device)
     passes = {"device-to-device copy fp32": (lambda: copy.copy_(src), 8 * numel),
               LAUNCH_ALONE: (lambda: one.add_(1), 8),
+              ERROR_ADD: (lambda: copy.add_(src), 12 * numel),
               NAN_TO_NUM: (lambda: copy.nan_to_num_(0.0, 0.0, 0.0), 8 * numel)}
     # copies moving as many bytes as the reduces of one shard (28 MB of this bucket's 200 at
     # int8, 14 MB at int4): how far a pass that small gets by its size alone (information; the
@@ -174,10 +193,14 @@ def main(argv=None):
               f"100 MB copy's bandwidth)")
     print(f"a launch alone (one-element add), queued: {1e3 * rows[LAUNCH_ALONE]['ms']:.2f} us")
     print(f"threshold top-k: {qualifying_per_k:.3f} k qualified (at most k are taken)")
-    print(f"TopK's error-feedback call: {1e3 * rows[TOPK_AS_THE_HOOK]['ms']:.2f} us; the nan_to_num_ pass it "
-          f"no longer runs after it: {1e3 * rows[NAN_TO_NUM]['ms']:.2f} us")
+    add_us = 1e3 * rows[ERROR_ADD]["ms"]
+    print(f"TopK's error-feedback call: {1e3 * rows[TOPK_AS_THE_HOOK]['ms']:.2f} us; before: the add "
+          f"{add_us:.2f} us, then the call without it {1e3 * rows[TOPK_CLEAR_NO_ADD]['ms']:.2f} us (and once the "
+          f"nan_to_num_ pass, {1e3 * rows[NAN_TO_NUM]['ms']:.2f} us)")
+    print(f"RandomK's error-feedback take: {1e3 * rows[RANDOMK_TAKE]['ms']:.2f} us; before: the add {add_us:.2f} us, "
+          f"then the take {1e3 * rows[RANDOMK_CLEAR_NO_ADD]['ms']:.2f} us")
     bars = {f"{n} >= 80% of copy bandwidth": r["fraction_of_copy_bw"] >= 0.8
-            for n, r in rows.items() if not n.startswith("device") and n != EXACT_TOPK}
+            for n, r in rows.items() if not n.startswith("device") and n != EXACT_TOPK and n not in INFORMATION}
     for bar, ok in bars.items():
         print(f"{'PASS' if ok else 'FAIL'}  {bar}")
     write_results(args.out, {"benchmark": "compression", "environment": environment(), "args": vars(args),
