@@ -4,8 +4,10 @@ compression.py queues them; medians over the calls after the first. compression.
 whole call; this says where its time goes. From sm_90 on a kernel starts while the one before it
 runs (dependent launch), so its gap is negative: it began that long before the previous ended.
 
-    python benchmarks/topk_timeline.py   # writes $OUT/topk_kernels.json (or ./topk_kernels.json)
+    python benchmarks/topk_timeline.py              # the selection alone: $OUT/topk_kernels.json (or ./)
+    python benchmarks/topk_timeline.py --call hook  # the hook's error-feedback call (add fused): topk_kernels_hook.json
 """
+import argparse
 import json
 import os
 import statistics
@@ -14,17 +16,21 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from commtune.bench.common import environment, write_results
-from commtune.bench.compression import sparsifier_passes
+from commtune.bench.compression import TOPK_AS_THE_HOOK, sparsifier_passes
+
+args = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+args.add_argument("--call", choices=["select", "hook"], default="select")
+call = args.parse_args().call
 
 if not torch.cuda.is_available():
     raise SystemExit("topk_timeline.py times CUDA kernels: it needs a GPU")
 dev = torch.device("cuda")
-passes, qualifying, k = sparsifier_passes(25_000_000, 8, 1024, dev)
-topk = passes["top-k select, ratio 0.01 (threshold)"][0]
+calls = 20
+passes, qualifying, k = sparsifier_passes(25_000_000, 8, 1024, dev, calls=calls + 5)  # an error buffer a call
+topk = passes["top-k select, ratio 0.01 (threshold)" if call == "select" else TOPK_AS_THE_HOOK][0]
 for _ in range(5):
     topk()
 torch.cuda.synchronize()
-calls = 20
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     torch.cuda._sleep(int(5e6))
     for _ in range(calls):
@@ -48,10 +54,11 @@ for a, b in zip(starts[:-1], starts[1:]):
         if i:
             gaps.setdefault(key, []).append(st - one[i - 1][1])
 med = lambda v: statistics.median(v[1:] if len(v) > 2 else v)
-summary = {"benchmark": "topk_timeline", "environment": environment(), "calls_seen": len(spans),
+summary = {"benchmark": "topk_timeline", "call": call, "environment": environment(), "calls_seen": len(spans),
            "call_span_us_median": med(spans),
            "per_kernel_us_median": {n: med(v) for n, v in per_kernel.items()},
            "gap_before_us_median": {n: med(v) for n, v in gaps.items()},
            "qualifying_per_k": int(qualifying.item()) / k, "events": names}
 print(json.dumps(summary, indent=1))
-write_results(os.path.join(os.environ.get("OUT", "."), "topk_kernels.json"), summary)
+name = "topk_kernels.json" if call == "select" else "topk_kernels_hook.json"
+write_results(os.path.join(os.environ.get("OUT", "."), name), summary)
