@@ -259,6 +259,44 @@ def test_an_infinite_scale_reaches_the_reduced_chunk(device, codes):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codes", CODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("chunk", [1024, 2048])  # on CUDA a warp a chunk, a block a chunk
+@pytest.mark.parametrize("offset", [0, 1])
+def test_accumulate_encodes_error_plus_bucket_as_add_then_encode_does(device, codes, dtype, chunk, offset):
+    # Error feedback's add fused into the encoding (the hook's call): the same codes and error,
+    # bit for bit, as error.add_(bucket) and then encoding the error buffer into itself.
+    numel, ranks, draws = 9001, 3, 11  # stochastic rounding; shards and chunks cut short
+    gen = torch.Generator().manual_seed(9)
+    error, bucket = (torch.randn(numel, generator=gen).to(dtype) for _ in range(2))
+    _, piece_bytes = _C.quantize_layout(numel, ranks, chunk, codes)
+    packed = [torch.empty(ranks * piece_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def placed(x):
+        base = torch.zeros(numel + offset, dtype=dtype, device=device)
+        base[offset:] = x.to(device)
+        return base[offset:]
+
+    before = placed(error)
+    before.add_(placed(bucket))
+    _C.quantize_shards_(before, before, packed[0], ranks, chunk, draws, codes)
+    fused, added = placed(error), placed(bucket)
+    _C.quantize_shards_(added, fused, packed[1], ranks, chunk, draws, codes, accumulate=True)
+    assert torch.equal(packed[1], packed[0])
+    assert torch.equal(fused, before)
+    assert torch.equal(added.cpu(), bucket)  # only read
+
+
+def test_accumulate_needs_an_error_buffer_of_the_buckets_kind():
+    _, piece_bytes = _C.quantize_layout(100, 1, 64, "int8")
+    packed = torch.empty(piece_bytes, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="Quantize: adding the bucket to the error buffer needs an error buffer"):
+        _C.quantize_shards_(torch.ones(100), None, packed, 1, 64, -1, "int8", accumulate=True)
+    with pytest.raises(RuntimeError, match="Quantize: the tensor added to the error buffer must be .* Half"):
+        _C.quantize_shards_(torch.ones(100), torch.zeros(100).half(), packed, 1, 64, -1, "int8", accumulate=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_passes_refuse_pieces_off_a_word(device):
     numel, ranks, chunk = 4096, 2, 1024
     _, piece_bytes = _C.quantize_layout(numel, ranks, chunk, "int8")

@@ -42,6 +42,34 @@ def test_encoding_packs_the_signs_and_keeps_the_error(device, numel):
     assert piece.numel() == 4 * words + 4 * -(-numel // CHUNK)  # a bit per element, a float per chunk
 
 
+def on_device(x, device, offset):
+    """x on the device, `offset` elements into its storage (off a Four's alignment for offset 1)."""
+    base = torch.zeros(x.numel() + offset, dtype=x.dtype, device=device)
+    base[offset:] = x.to(device)
+    return base[offset:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1024, 2048])  # on CUDA a warp a chunk, a block a chunk
+@pytest.mark.parametrize("offset", [0, 1])
+def test_accumulate_encodes_error_plus_bucket_as_add_then_encode_does(device, dtype, chunk, offset):
+    # Error feedback's add fused into the encoding (the hook's call): the same piece and error,
+    # bit for bit, as error.add_(bucket) and then encoding the error buffer into itself.
+    numel = 5001  # a last chunk and a last group of four cut short
+    gen = torch.Generator().manual_seed(8)
+    error, bucket = (torch.randn(numel, generator=gen).to(dtype) for _ in range(2))
+    pieces = [torch.empty(_C.sign_piece_bytes(numel, chunk), dtype=torch.uint8, device=device) for _ in range(2)]
+    before = on_device(error, device, offset)
+    before.add_(on_device(bucket, device, offset))
+    _C.sign_encode_(before, before, pieces[0], chunk)
+    fused, added = on_device(error, device, offset), on_device(bucket, device, offset)
+    _C.sign_encode_(added, fused, pieces[1], chunk, accumulate=True)
+    assert torch.equal(pieces[1], pieces[0])
+    assert torch.equal(fused, before)
+    assert torch.equal(added.cpu(), bucket)  # only read
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("numel", [3000, 2999])  # 2999: a thread's last group of four is cut short
 def test_decoding_averages_the_ranks_pieces(device, numel):
@@ -181,3 +209,14 @@ def test_bad_values_are_refused():
                      ({"min_size": -1}, "min_size"), ({"min_size": 2**63}, "min_size")]:
         with pytest.raises(ValueError, match=word):
             ct.hooks.SignSGD(**kw).validate()
+
+
+def test_accumulate_needs_an_error_buffer_of_the_buckets_kind():
+    piece = torch.empty(_C.sign_piece_bytes(100, CHUNK), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="SignSGD: adding the bucket to the error buffer needs an error buffer"):
+        _C.sign_encode_(torch.ones(100), None, piece, CHUNK, accumulate=True)
+    with pytest.raises(RuntimeError, match="SignSGD: the tensor added to the error buffer must be .* Double"):
+        _C.sign_encode_(torch.ones(100), torch.zeros(100, dtype=torch.float64), piece, CHUNK, accumulate=True)
+    both = torch.zeros(150)
+    with pytest.raises(RuntimeError, match="overlaps it in part"):
+        _C.sign_encode_(both[:100], both[50:], piece, CHUNK, accumulate=True)

@@ -222,10 +222,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("sign_piece_bytes", [](int64_t numel, int64_t chunk) { return SignLayout::of(numel, chunk).piece_bytes(); },
         py::arg("numel"), py::arg("chunk"));
   m.def("sign_encode_",
-        [](const at::Tensor& src, const std::optional<at::Tensor>& error, const at::Tensor& piece, int64_t chunk) {
-          sign_encode_(src, error.value_or(at::Tensor()), piece, SignLayout::of(src.numel(), chunk));
+        [](const at::Tensor& src, const std::optional<at::Tensor>& error, const at::Tensor& piece, int64_t chunk,
+           bool accumulate) {
+          sign_encode_(src, error.value_or(at::Tensor()), piece, SignLayout::of(src.numel(), chunk), accumulate);
         },
-        py::arg("src"), py::arg("error"), py::arg("piece"), py::arg("chunk"));
+        py::arg("src"), py::arg("error"), py::arg("piece"), py::arg("chunk"), py::arg("accumulate") = false);
   m.def("sign_decode_mean_",
         [](const at::Tensor& gathered, const at::Tensor& out, int64_t ranks, int64_t chunk) {
           sign_decode_mean_(gathered, out, ranks, SignLayout::of(out.numel(), chunk));
@@ -250,12 +251,12 @@ PYBIND11_MODULE(_C, m) {
   "(elements per shard, bytes per encoded shard)");
   m.def("quantize_shards_",
         [](const at::Tensor& src, const std::optional<at::Tensor>& error, const at::Tensor& packed, int64_t ranks,
-           int64_t chunk, int64_t draws, const std::string& codes) {
+           int64_t chunk, int64_t draws, const std::string& codes, bool accumulate) {
           quantize_shards_(src, error.value_or(at::Tensor()), packed,
-                           QuantizeLayout::of(src.numel(), ranks, chunk, codes_named(codes)), draws);
+                           QuantizeLayout::of(src.numel(), ranks, chunk, codes_named(codes)), draws, accumulate);
         },
         py::arg("src"), py::arg("error"), py::arg("packed"), py::arg("ranks"), py::arg("chunk"), py::arg("draws") = -1,
-        py::arg("codes") = "int8");
+        py::arg("codes") = "int8", py::arg("accumulate") = false);
   m.def("reduce_shard_",
         [](const at::Tensor& received, const at::Tensor& piece, int64_t numel, int64_t ranks, int64_t chunk,
            int64_t divisor, int64_t draws, const std::string& codes) {

@@ -67,12 +67,12 @@ class ErrorFeedbackHook : public Hook {
   void check_ratio(double ratio) const {
     TORCH_CHECK(ratio > 0 && ratio <= 1, "commtune.", name(), ": ratio must be in (0, 1], got ", std::to_string(ratio));
   }
-  // The bucket's error buffer as the last step left it (for a kernel that adds the bucket itself).
+  // The bucket's error buffer as the last step left it. Each hook's first kernel adds the bucket
+  // to it in the pass that reads it (error + bucket is what is sent this time), rather than an
+  // add_ of its own: one read and one write of the bucket-sized buffer fewer a step.
   at::Tensor error_of(c10d::GradBucket& bucket) {
     return errors_.of(bucket, [this](const at::Tensor& p) { return parameter_index(p); });
   }
-  // The bucket's error buffer after adding the bucket to it: what is to be sent this time.
-  at::Tensor add_to_error(c10d::GradBucket& bucket) { return error_of(bucket).add_(bucket.getBufferRef()); }
 
  private:
   ErrorBuffers errors_;

@@ -46,16 +46,17 @@ inline void check_same_device(const at::Tensor& on, const at::Tensor& t, const c
               t.device().str());
 }
 
-// A tensor a pass adds to the bucket before it reads it (error feedback's add of the gradient,
-// fused into the pass): the bucket's dtype, length and device, and not a part of the bucket.
-inline void check_addend(const at::Tensor& bucket, const at::Tensor& add, const char* scheme) {
-  TORCH_CHECK(add.dim() == 1 && add.is_contiguous() && add.scalar_type() == bucket.scalar_type() &&
-                  add.numel() == bucket.numel(),
-              scheme, ": the tensor added to the bucket must be a contiguous 1-D ", bucket.scalar_type(), " tensor of ",
-              std::to_string(bucket.numel()), " entries, got ", add.scalar_type(), " ", shape_of(add));
-  check_same_device(bucket, add, scheme, "the tensor added to the bucket");
-  TORCH_CHECK(at::get_overlap_status(bucket, add) != at::MemOverlapStatus::Partial, scheme,
-              ": the tensor added to the bucket overlaps it in part; pass a separate tensor (or the bucket itself)");
+// A tensor a pass adds to `to` before it reads it (error feedback's add of the gradient to the
+// error buffer, fused into the pass; `to_name` says which `to` is): to's dtype, length and device,
+// and not a part of it.
+inline void check_addend(const at::Tensor& to, const at::Tensor& add, const char* scheme, const char* to_name) {
+  TORCH_CHECK(add.dim() == 1 && add.is_contiguous() && add.scalar_type() == to.scalar_type() &&
+                  add.numel() == to.numel(),
+              scheme, ": the tensor added to ", to_name, " must be a contiguous 1-D ", to.scalar_type(), " tensor of ",
+              std::to_string(to.numel()), " entries, got ", add.scalar_type(), " ", shape_of(add));
+  check_same_device(to, add, scheme, "the tensor added");
+  TORCH_CHECK(at::get_overlap_status(to, add) != at::MemOverlapStatus::Partial, scheme, ": the tensor added to ",
+              to_name, " overlaps it in part; pass a separate tensor (or the same one)");
 }
 
 } // namespace commtune

@@ -28,13 +28,11 @@ Hook::Launch QuantizeHook::communicate(c10d::GradBucket& bucket) {
   }
   const int64_t n = world_size();
   const QuantizeLayout layout = QuantizeLayout::of(buffer.numel(), n, options_.chunk, codes_);
-  at::Tensor error;
-  if (options_.error_feedback) {
-    error = add_to_error(bucket);
-  }
+  // With error feedback the encoding adds the bucket to the error buffer in its own pass.
+  const at::Tensor error = options_.error_feedback ? error_of(bucket) : at::Tensor();
   const at::TensorOptions bytes = buffer.options().dtype(at::kByte);
   at::Tensor packed = at::empty({n * layout.piece_bytes()}, bytes);
-  quantize_shards_(error.defined() ? error : buffer, error, packed, layout, draws(bucket, 0));
+  quantize_shards_(buffer, error, packed, layout, draws(bucket, 0), options_.error_feedback);
 
   at::Tensor received = at::empty_like(packed);
   auto sent = all_to_all_equal(received, packed);

@@ -16,13 +16,11 @@ Hook::Launch SignSgdHook::communicate(c10d::GradBucket& bucket) {
     return plain_mean(buffer);
   }
   const SignLayout layout = SignLayout::of(buffer.numel(), options_.chunk);
-  at::Tensor error;
-  if (options_.error_feedback) {
-    error = add_to_error(bucket);
-  }
+  // With error feedback the encoding adds the bucket to the error buffer in its own pass.
+  const at::Tensor error = options_.error_feedback ? error_of(bucket) : at::Tensor();
   const at::TensorOptions bytes = buffer.options().dtype(at::kByte);
   at::Tensor piece = at::empty({layout.piece_bytes()}, bytes);
-  sign_encode_(error.defined() ? error : buffer, error, piece, layout);
+  sign_encode_(buffer, error, piece, layout, options_.error_feedback);
   at::Tensor gathered = at::empty({world_size() * layout.piece_bytes()}, bytes);
   auto future = all_gather_into(gathered, piece);
   const int64_t n = world_size();

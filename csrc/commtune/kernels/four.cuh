@@ -2,6 +2,8 @@
 // Four consecutive elements as one access: the vector loads and stores the compression kernels
 // use where a lane owns groups of four values (the quantize files, sign_cuda.cu), and the layout
 // they share for chunks of up to 1024 elements: one warp per chunk, up to 8 groups a lane.
+#include <commtune/kernels/fused_add.cuh>
+
 #include <cstdint>
 #include <initializer_list>
 
@@ -23,6 +25,23 @@ __device__ __forceinline__ void load(const scalar_t* __restrict__ src, int64_t a
   } else {
 #pragma unroll
     for (int k = 0; k < 4; ++k) values[k] = at + k < numel ? static_cast<float>(src[at + k]) : 0.0f;
+  }
+}
+
+// The same of src + add (error feedback's add fused into an encoding pass: add is the error
+// buffer, src the bucket), each sum rounded to scalar_t as at::add_ rounds it; add null: load.
+template <typename scalar_t>
+__device__ __forceinline__ void load_sum(const scalar_t* __restrict__ src, const scalar_t* add, int64_t at,
+                                         int64_t numel, bool vector, float* values) {
+  if (add == nullptr) return load(src, at, numel, vector, values);
+  if (vector && at + 3 < numel) {
+    const Four<scalar_t> x = *reinterpret_cast<const Four<scalar_t>*>(src + at);
+    const Four<scalar_t> a = *reinterpret_cast<const Four<scalar_t>*>(add + at);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) values[k] = static_cast<float>(fused_sum(a.v[k], x.v[k]));
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) values[k] = at + k < numel ? static_cast<float>(fused_sum(add[at + k], src[at + k])) : 0.0f;
   }
 }
 

@@ -67,19 +67,22 @@ QuantizeLayout QuantizeLayout::of(int64_t numel, int64_t ranks, int64_t chunk, q
 }
 
 void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
-                      const QuantizeLayout& layout, int64_t draws) {
+                      const QuantizeLayout& layout, int64_t draws, bool accumulate) {
   check_values(src, layout.numel, "Quantize", "the bucket");
   if (error.defined()) {
     check_values(error, layout.numel, "Quantize", "the error buffer");
     check_same_device(src, error, "Quantize", "the error buffer");
   }
+  TORCH_CHECK(!accumulate || error.defined(), "Quantize: adding the bucket to the error buffer needs an error buffer");
+  if (accumulate) check_addend(error, src, "Quantize", "the error buffer");
   check_packed(packed, layout.ranks * layout.piece_bytes(), "Quantize", "the packed buffer");
   check_same_device(src, packed, "Quantize", "the packed buffer");
 #ifdef COMMTUNE_WITH_CUDA
-  if (src.is_cuda()) return quantize_shards_cuda_(src, error, packed, layout, draws);
+  if (src.is_cuda()) return quantize_shards_cuda_(src, error, packed, layout, draws, accumulate);
 #endif
+  if (accumulate) error.add_(src);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "quantize_shards", [&] {
-    const scalar_t* in = src.const_data_ptr<scalar_t>();
+    const scalar_t* in = (accumulate ? error : src).const_data_ptr<scalar_t>();
     scalar_t* err = error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr;
     uint8_t* out = packed.mutable_data_ptr<uint8_t>();
     const int64_t chunks = layout.ranks * layout.chunks_per_shard();

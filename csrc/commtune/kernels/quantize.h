@@ -37,10 +37,12 @@ struct QuantizeLayout {
 };
 
 // Encodes src (zeros past numel) into `packed` (uint8, ranks * piece_bytes). With `error`
-// defined (may be src itself), error = src - decoded. `draws`: a seed for stochastic rounding,
-// or -1 for rounding to nearest.
+// defined (may be src itself), error = src - decoded. With `accumulate` (error feedback: error is
+// the error buffer, src the bucket), what is encoded is error + src, as error.add_(src) would
+// leave it, in the same pass on CUDA, and error = that - decoded. `draws`: a seed for stochastic
+// rounding, or -1 for rounding to nearest.
 void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
-                      const QuantizeLayout& layout, int64_t draws);
+                      const QuantizeLayout& layout, int64_t draws, bool accumulate = false);
 // Decodes the `ranks` pieces of one shard in `received` (ranks * piece_bytes), sums them in
 // rank order, divides by `divisor` and encodes the result into `piece` (piece_bytes).
 void reduce_shard_(const at::Tensor& received, const at::Tensor& piece, const QuantizeLayout& layout,
@@ -53,7 +55,7 @@ quant::Codes codes_named(const std::string& name);
 
 #ifdef COMMTUNE_WITH_CUDA
 void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
-                           const QuantizeLayout& layout, int64_t draws);
+                           const QuantizeLayout& layout, int64_t draws, bool accumulate);
 void reduce_shard_cuda_(const at::Tensor& received, const at::Tensor& piece, const QuantizeLayout& layout,
                         int64_t divisor, int64_t draws);
 void dequantize_shards_cuda_(const at::Tensor& packed, const at::Tensor& out, const QuantizeLayout& layout);

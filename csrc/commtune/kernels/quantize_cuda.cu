@@ -24,11 +24,14 @@ using namespace quant_cuda;  // what the reduce's file shares
 // or 2-byte aligned (int4): four codes are one access.
 template <typename scalar_t>
 __global__ void quantize_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ packed,
-                                QuantizeLayout l, int64_t draws, bool vector) {
+                                QuantizeLayout l, int64_t draws, bool vector, bool accumulate) {
   extern __shared__ float values[];
   const int64_t s = blockIdx.x / l.chunks_per_shard(), c = blockIdx.x % l.chunks_per_shard();
   const int64_t first = s * l.shard + c * l.chunk;
-  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) four::load(src, first + j, l.numel, vector, values + j);
+  // accumulate: error + src is encoded (error feedback's add fused in), error read before it is written
+  for (int64_t j = 4 * threadIdx.x; j < l.chunk; j += 4 * kThreads) {
+    four::load_sum(src, accumulate ? error : nullptr, first + j, l.numel, vector, values + j);
+  }
   __syncthreads();
   uint8_t* codes = l.codes(packed, s, c);
   const float scale = quant::scale_of(block_absmax(values, l.chunk), l.kind), inverse = quant::inverse(scale);
@@ -72,7 +75,7 @@ struct FloatGroups {
 
 template <typename scalar_t, quant::Codes kKind>
 __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ packed,
-                                     QuantizeLayout l, int64_t draws, bool vector) {
+                                     QuantizeLayout l, int64_t draws, bool vector, bool accumulate) {
   const int64_t g = warp_chunk(l.ranks * l.chunks_per_shard());
   if (g < 0) return;  // the whole warp: chunks are whole warps
   const int lane = threadIdx.x % kWarp;
@@ -85,7 +88,7 @@ __global__ void quantize_warp_kernel(const scalar_t* __restrict__ src, scalar_t*
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = FloatGroups::start(lane, i);
     if (j < l.chunk) {
-      four::load(src, first + j, l.numel, vector, v[i]);
+      four::load_sum(src, accumulate ? error : nullptr, first + j, l.numel, vector, v[i]);
     } else {
 #pragma unroll
       for (int k = 0; k < 4; ++k) v[i][k] = 0.0f;
@@ -136,7 +139,7 @@ int64_t warp_blocks(int64_t chunks) { return four::warp_blocks(chunks, kThreads)
 } // namespace
 
 void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& packed,
-                           const QuantizeLayout& layout, int64_t draws) {
+                           const QuantizeLayout& layout, int64_t draws, bool accumulate) {
   const c10::cuda::CUDAGuard guard(src.device());
   const int64_t blocks = layout.ranks * layout.chunks_per_shard();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "quantize_shards", [&] {
@@ -147,11 +150,11 @@ void quantize_shards_cuda_(const at::Tensor& src, const at::Tensor& error, const
     if (layout.chunk <= kWarpChunkLimit) {
       with_codes(layout.kind, [&](auto kind) {
         quantize_warp_kernel<scalar_t, decltype(kind)::value><<<warp_blocks(blocks), kThreads, 0, stream>>>(
-            in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, vector);
+            in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, vector, accumulate);
       });
     } else {
       quantize_kernel<scalar_t><<<blocks, kThreads, chunk_bytes(layout), stream>>>(
-          in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, vector);
+          in, err, packed.mutable_data_ptr<uint8_t>(), layout, draws, vector, accumulate);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

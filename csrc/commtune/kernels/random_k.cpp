@@ -43,7 +43,7 @@ at::Tensor random_k_positions(int64_t numel, int64_t k, uint64_t seed) {
 
 void random_k_take_(const at::Tensor& x, uint64_t seed, const at::Tensor& values, bool clear, const at::Tensor& add) {
   check_pair(x, values, "the bucket");
-  if (add.defined()) check_addend(x, add, "RandomK");
+  if (add.defined()) check_addend(x, add, "RandomK", "the bucket");
 #ifdef COMMTUNE_WITH_CUDA
   if (x.is_cuda()) return random_k_take_cuda_(x, add, seed, values, clear);
 #endif

@@ -19,19 +19,23 @@ SignLayout SignLayout::of(int64_t numel, int64_t chunk) {
   return l;
 }
 
-void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout) {
+void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout,
+                  bool accumulate) {
   check_values(src, layout.numel, "SignSGD", "the bucket");
   if (error.defined()) {
     check_values(error, layout.numel, "SignSGD", "the error buffer");
     check_same_device(src, error, "SignSGD", "the error buffer");
   }
+  TORCH_CHECK(!accumulate || error.defined(), "SignSGD: adding the bucket to the error buffer needs an error buffer");
+  if (accumulate) check_addend(error, src, "SignSGD", "the error buffer");
   check_packed(piece, layout.piece_bytes(), "SignSGD", "the encoded piece");
   check_same_device(src, piece, "SignSGD", "the encoded piece");
 #ifdef COMMTUNE_WITH_CUDA
-  if (src.is_cuda()) return sign_encode_cuda_(src, error, piece, layout);
+  if (src.is_cuda()) return sign_encode_cuda_(src, error, piece, layout, accumulate);
 #endif
+  if (accumulate) error.add_(src);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "sign_encode", [&] {
-    const scalar_t* in = src.const_data_ptr<scalar_t>();
+    const scalar_t* in = (accumulate ? error : src).const_data_ptr<scalar_t>();
     scalar_t* err = error.defined() ? error.mutable_data_ptr<scalar_t>() : nullptr;
     uint32_t* bits = reinterpret_cast<uint32_t*>(piece.mutable_data_ptr<uint8_t>());
     float* scales = reinterpret_cast<float*>(bits + layout.words());

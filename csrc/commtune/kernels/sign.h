@@ -22,14 +22,18 @@ struct SignLayout {
 };
 
 // Encodes src into `piece` (uint8, piece_bytes). With `error` defined (may be src itself),
-// error = src - decoded.
-void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout);
+// error = src - decoded. With `accumulate` (error feedback: error is the error buffer, src the
+// bucket), what is encoded is error + src, as error.add_(src) would leave it, in the same pass on
+// CUDA, and error = that - decoded.
+void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout,
+                  bool accumulate = false);
 // out = the mean over the `ranks` gathered pieces (uint8, ranks * piece_bytes) of their decoded
 // values, summed in rank order.
 void sign_decode_mean_(const at::Tensor& gathered, const at::Tensor& out, int64_t ranks, const SignLayout& layout);
 
 #ifdef COMMTUNE_WITH_CUDA
-void sign_encode_cuda_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout);
+void sign_encode_cuda_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout,
+                       bool accumulate);
 void sign_decode_mean_cuda_(const at::Tensor& gathered, const at::Tensor& out, int64_t ranks, const SignLayout& layout);
 #endif
 

@@ -2,6 +2,7 @@
 // per chunk of up to 1024 elements, its values in registers (one read of the bucket), or one
 // block per larger chunk, where each warp turns 32 consecutive signs into a word with a ballot.
 #include <commtune/kernels/four.cuh>
+#include <commtune/kernels/fused_add.cuh>
 #include <commtune/kernels/sign.h>
 
 #include <ATen/Dispatch.h>
@@ -24,19 +25,23 @@ __device__ double block_sum(double v) {
   return total;
 }
 
+// With `accumulate` (error feedback's add fused in), what is encoded is error + src, and error
+// becomes that minus its decoding.
 template <typename scalar_t>
 __global__ void sign_encode_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ piece,
-                                   SignLayout l) {
+                                   SignLayout l, bool accumulate) {
   const int64_t c = blockIdx.x, first = c * l.chunk, last = min(first + l.chunk, l.numel);
+  // each thread reads its own entries, and writes an entry of error only after its last read
+  const auto value = [&](int64_t i) { return accumulate ? fused_sum(error[i], src[i]) : src[i]; };
   double part = 0;
-  for (int64_t i = first + threadIdx.x; i < last; i += kThreads) part += fabs(static_cast<double>(src[i]));
+  for (int64_t i = first + threadIdx.x; i < last; i += kThreads) part += fabs(static_cast<double>(value(i)));
   const float scale = static_cast<float>(block_sum(part) / static_cast<double>(last - first));
   uint32_t* bits = reinterpret_cast<uint32_t*>(piece);
   if (threadIdx.x == 0) reinterpret_cast<float*>(bits + l.words())[c] = scale;
   // Whole warps step through the chunk together, 32 elements at a time.
   for (int64_t i = first + threadIdx.x; i < first + l.chunk; i += kThreads) {
     const bool valid = i < l.numel;
-    const float x = valid ? static_cast<float>(src[i]) : 0.0f;
+    const float x = valid ? static_cast<float>(value(i)) : 0.0f;
     const uint32_t word = __ballot_sync(0xffffffffu, valid && x < 0.0f);
     if (threadIdx.x % 32 == 0) bits[i / 32] = word;
     if (error != nullptr && valid) {
@@ -53,7 +58,7 @@ using four::kWarpChunkLimit;
 // hold the 32 elements of the group's word w: their four sign bits each are OR-ed by shuffles.
 template <typename scalar_t>
 __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar_t* error, uint8_t* __restrict__ piece,
-                                        SignLayout l, bool vector) {
+                                        SignLayout l, bool vector, bool accumulate) {
   const int64_t c = four::warp_index();
   if (c >= l.chunks()) return;  // the whole warp: chunks are whole warps
   const int lane = threadIdx.x % kWarp;
@@ -64,7 +69,7 @@ __global__ void sign_encode_warp_kernel(const scalar_t* __restrict__ src, scalar
   for (int i = 0; i < kMaxFours; ++i) {
     const int64_t j = four::group_start(lane, i);
     if (j < l.chunk) {
-      four::load(src, first + j, l.numel, vector, v[i]);
+      four::load_sum(src, accumulate ? error : nullptr, first + j, l.numel, vector, v[i]);
     } else {
 #pragma unroll
       for (int k = 0; k < 4; ++k) v[i][k] = 0.0f;
@@ -230,7 +235,8 @@ __global__ void sign_decode_table_kernel(const uint8_t* __restrict__ gathered, s
 
 } // namespace
 
-void sign_encode_cuda_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout) {
+void sign_encode_cuda_(const at::Tensor& src, const at::Tensor& error, const at::Tensor& piece, const SignLayout& layout,
+                       bool accumulate) {
   if (layout.chunks() == 0) return;
   const c10::cuda::CUDAGuard guard(src.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "sign_encode", [&] {
@@ -240,10 +246,11 @@ void sign_encode_cuda_(const at::Tensor& src, const at::Tensor& error, const at:
     if (layout.chunk <= kWarpChunkLimit) {
       const int64_t blocks = four::warp_blocks(layout.chunks(), kThreads);
       sign_encode_warp_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(in, err, piece.mutable_data_ptr<uint8_t>(),
-                                                                         layout, four::aligned<scalar_t>({in, err}));
+                                                                         layout, four::aligned<scalar_t>({in, err}),
+                                                                         accumulate);
     } else {
       sign_encode_kernel<scalar_t><<<layout.chunks(), kThreads, 0, stream>>>(in, err, piece.mutable_data_ptr<uint8_t>(),
-                                                                             layout);
+                                                                             layout, accumulate);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -37,7 +37,7 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
   TORCH_CHECK(qualifying.scalar_type() == at::kLong && qualifying.numel() == 1 && qualifying.device() == x.device(),
               "TopK: the count must be one int64 on ", x.device().str(), ", got ", qualifying.scalar_type(), " ",
               shape_of(qualifying), " on ", qualifying.device().str());
-  if (add.defined()) check_addend(x, add, "TopK");
+  if (add.defined()) check_addend(x, add, "TopK", "the bucket");
   const TopKSample sample = TopKSample::of(numel, k);
 #ifdef COMMTUNE_WITH_CUDA
   if (x.is_cuda()) return threshold_top_k_cuda_(x, add, k, piece, qualifying, clear, sample);

@@ -3,7 +3,8 @@ codes) on a 100 MB fp32 bucket against a device-to-device copy of the same bucke
 each scheme puts on the wire: benchmarks/wire_bytes.py).
 
 Bandwidth counts the bytes a pass must read and write once: quantize reads the bucket and
-writes the codes, the scales and the error buffer; reduce reads the ranks' encoded shards and
+the error buffer (error feedback's add is part of the pass) and writes the codes, the scales
+and the error buffer; reduce reads the ranks' encoded shards and
 writes one; dequantize reads the encoded bucket and writes the bucket. The reduce pass of a
 real step handles one shard (1/ranks of the bucket); it is also timed on a shard as large as
 the whole bucket, where its tail no longer dominates, and a copy of as many bytes as the int8
@@ -30,7 +31,7 @@ def passes_of(codes, numel, ranks, chunk, device):
     """name -> (the pass, the bytes it must move) for one kind of codes."""
     shard, piece = _C.quantize_layout(numel, ranks, chunk, codes)
     src = torch.randn(numel, device=device)
-    error = torch.empty_like(src)
+    error = torch.zeros_like(src)
     packed = torch.empty(ranks * piece, dtype=torch.uint8, device=device)
     mine = torch.empty(piece, dtype=torch.uint8, device=device)
     out = torch.empty_like(src)
@@ -42,8 +43,11 @@ def passes_of(codes, numel, ranks, chunk, device):
         _C.quantize_shards_(src, None, big[r * whole:(r + 1) * whole], 1, chunk, r, codes)
     big_mine = torch.empty(whole, dtype=torch.uint8, device=device)
     return {
-        f"{codes} quantize (stochastic, error feedback)": (
-            lambda: _C.quantize_shards_(src, error, packed, ranks, chunk, 7, codes), 4 * numel + ranks * piece + 4 * numel),
+        # error += bucket in the same pass, as the hook runs it: the bucket and the error read, the
+        # codes and the error written
+        f"{codes} quantize (stochastic, error feedback and its add: the hook's call)": (
+            lambda: _C.quantize_shards_(src, error, packed, ranks, chunk, 7, codes, accumulate=True),
+            12 * numel + ranks * piece),
         f"{codes} reduce one shard": (
             lambda: _C.reduce_shard_(packed, mine, numel, ranks, chunk, ranks, 7, codes), ranks * piece + piece),
         f"{codes} reduce a bucket-sized shard": (
@@ -65,7 +69,7 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
     clearing calls get an error buffer of their own for each of their first `calls` calls (then
     they repeat), so that no timed call sees what an earlier one cleared."""
     src = torch.randn(numel, device=device)
-    error = torch.empty_like(src)
+    error = torch.zeros_like(src)
     out = torch.empty_like(src)
     piece = _C.sign_piece_bytes(numel, chunk)
     gathered = torch.empty(ranks * piece, dtype=torch.uint8, device=device)
@@ -95,8 +99,8 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
             lambda: _C.random_k_take_(src, RANDOMK_SEED, drawn, False), 4 * numel + 4 * k),
         RANDOMK_CLEAR_NO_ADD: (lambda: _C.random_k_take_(spare, RANDOMK_SEED, drawn, True), 4 * numel + 8 * k),
         randomk_place(ranks): (lambda: _C.random_k_place_(drawn, RANDOMK_SEED, out, ranks), 4 * numel + 4 * k),
-        "sign encode (error feedback)": (lambda: _C.sign_encode_(src, error, gathered[:piece], chunk),
-                                         4 * numel + 4 * numel + piece),
+        "sign encode (error feedback and its add: the hook's call)": (
+            lambda: _C.sign_encode_(src, error, gathered[:piece], chunk, accumulate=True), 12 * numel + piece),
         f"sign decode the mean of {ranks} ranks": (lambda: _C.sign_decode_mean_(gathered, out, ranks, chunk),
                                                     ranks * piece + 4 * numel),
         EXACT_TOPK: (lambda: src.abs().topk(k, sorted=False), 4 * numel + 8 * k),
@@ -116,8 +120,8 @@ LAUNCH_ALONE = "device: a one-element add (a launch alone)"
 # A full read and write of the bucket: what TopK's error feedback ran after the threshold
 # selection to keep its buffer finite, before the selection took that over (twenty-sixth session).
 NAN_TO_NUM = "device: nan_to_num_ of the bucket (a pass of its own)"
-# What error feedback ran before the selections took it over (thirty-first session): the bucket
-# added to the error buffer, a pass of its own. Quantize and SignSGD still run it.
+# What error feedback ran before each hook's first kernel took it over (thirty-first session): the
+# bucket added to the error buffer, a pass of its own.
 ERROR_ADD = "device: error += bucket (at::add_, a pass of its own)"
 WARMUP = 3  # untimed calls before each timing
 
