@@ -84,4 +84,25 @@ TEST(QuantizeChecks, RefusesBadArguments) {
                c10::Error);
 }
 
+// Error feedback's add in the encoding: the bucket added to the error buffer, then the sum
+// encoded and its error kept, as error.add_(bucket) and encoding the buffer into itself.
+TEST(QuantizeAccumulates, AsAddThenEncode) {
+  const int64_t n = 9001, ranks = 3;
+  const at::Tensor x = bucket(n), start = bucket(n + 1).slice(0, 0, n).clone();
+  for (const char* name : {"int8", "int4", "e4m3"}) {
+    const auto layout = QuantizeLayout::of(n, ranks, 256, commtune::codes_named(name));
+    at::Tensor fused = start.clone(), added = start + x;
+    at::Tensor packed[2] = {at::empty({ranks * layout.piece_bytes()}, at::kByte),
+                            at::empty({ranks * layout.piece_bytes()}, at::kByte)};
+    commtune::quantize_shards_(x, fused, packed[0], layout, 17, /*accumulate=*/true);
+    commtune::quantize_shards_(added, added, packed[1], layout, 17);
+    EXPECT_TRUE(at::equal(packed[0], packed[1])) << name;
+    EXPECT_TRUE(at::equal(fused, added)) << name;
+  }
+  const auto layout = QuantizeLayout::of(n, ranks, 256, Codes::int8);
+  EXPECT_THROW(commtune::quantize_shards_(x, at::Tensor(), at::empty({ranks * layout.piece_bytes()}, at::kByte),
+                                          layout, kNearest, true),
+               c10::Error);
+}
+
 } // namespace

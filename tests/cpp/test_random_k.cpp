@@ -100,4 +100,27 @@ TEST(RandomKEdges, RefusesValuesOfAnotherDtypeAndMoreValuesThanEntries) {
   EXPECT_THROW(commtune::random_k_place_(at::empty({10}), 1, at::zeros({100}), 0), c10::Error);
 }
 
+// Error feedback's add in the take (x the error buffer, the addend the bucket): the same as
+// x.add_(addend) and then the take.
+TEST_P(RandomKTake, WithAnAddendTakesFromTheSum) {
+  const auto [dtype, clear] = GetParam();
+  at::manual_seed(2);
+  const at::Tensor x = at::randn({20000}).to(dtype), addend = at::randn({20000}).to(dtype);
+  const at::Tensor drawn = positions(20000, 700, 42);
+  at::Tensor on = x.clone();
+  at::Tensor values = at::full({700}, -7.0, dtype);
+  commtune::random_k_take_(on, 42, values, clear, addend);
+  const at::Tensor sum = x + addend;
+  EXPECT_TRUE(at::equal(values, sum.index_select(0, drawn)));
+  EXPECT_TRUE(at::equal(on, clear ? sum.clone().index_fill_(0, drawn, 0) : sum));
+}
+
+TEST(RandomKEdges, RefusesAnAddendOfAnotherDtypeOrLengthOrOverlappingInPart) {
+  const at::Tensor values = at::empty({10});
+  EXPECT_THROW(commtune::random_k_take_(at::randn({100}), 1, values, true, at::randn({100}, at::kDouble)), c10::Error);
+  EXPECT_THROW(commtune::random_k_take_(at::randn({100}), 1, values, true, at::randn({99})), c10::Error);
+  const at::Tensor both = at::randn({150});
+  EXPECT_THROW(commtune::random_k_take_(both.slice(0, 0, 100), 1, values, true, both.slice(0, 50, 150)), c10::Error);
+}
+
 }  // namespace

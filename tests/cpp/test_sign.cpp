@@ -85,4 +85,20 @@ TEST(SignChecks, RefusesBadArguments) {
                c10::Error);
 }
 
+// Error feedback's add in the encoding: the bucket added to the error buffer, then the sum
+// encoded and its error kept, as error.add_(bucket) and encoding the buffer into itself.
+TEST(SignEncodingAccumulates, AsAddThenEncode) {
+  at::manual_seed(4);
+  const int64_t n = 5000;
+  const auto layout = commtune::SignLayout::of(n, 1024);
+  const at::Tensor bucket = at::randn({n}), start = at::randn({n});
+  at::Tensor fused = start.clone(), added = start + bucket;
+  at::Tensor pieces[2] = {at::empty({layout.piece_bytes()}, at::kByte), at::empty({layout.piece_bytes()}, at::kByte)};
+  commtune::sign_encode_(bucket, fused, pieces[0], layout, /*accumulate=*/true);
+  commtune::sign_encode_(added, added, pieces[1], layout);
+  EXPECT_TRUE(at::equal(pieces[0], pieces[1]));
+  EXPECT_TRUE(at::equal(fused, added));
+  EXPECT_THROW(commtune::sign_encode_(bucket, at::Tensor(), pieces[0], layout, true), c10::Error);
+}
+
 } // namespace

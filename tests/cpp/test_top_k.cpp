@@ -134,4 +134,20 @@ TEST(ThresholdTopKChecks, RefusesBadArguments) {
                c10::Error);
 }
 
+// Error feedback's add in the selection (x the error buffer, the addend the bucket): the same
+// picks and buffer as x.add_(addend) and then the selection.
+TEST(ThresholdTopKEdges, WithAnAddendPicksFromTheSum) {
+  at::manual_seed(3);
+  const at::Tensor x = at::randn({30000}), addend = at::randn({30000});
+  const int64_t k = 300;
+  at::Tensor fused = x.clone(), added = x + addend;
+  at::Tensor pieces[2] = {at::empty({2 * k}, at::kInt), at::empty({2 * k}, at::kInt)};
+  at::Tensor counts[2] = {at::empty({1}, at::kLong), at::empty({1}, at::kLong)};
+  commtune::threshold_top_k_(fused, k, pieces[0], counts[0], true, addend);
+  commtune::threshold_top_k_(added, k, pieces[1], counts[1], true);
+  EXPECT_TRUE(at::equal(pieces[0], pieces[1]));
+  EXPECT_TRUE(at::equal(counts[0], counts[1]));
+  EXPECT_TRUE(at::equal(fused, added));
+}
+
 } // namespace
