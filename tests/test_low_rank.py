@@ -117,6 +117,29 @@ def test_steps_add_the_addend_divide_and_sum_the_norms(device, divisor):
     torch.testing.assert_close(norms, torch.tensor([residual, squares], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_the_error_keeps_nothing_of_an_overflow(device, bad):
+    """An Inf or a NaN in the input makes its matrix's output not finite (every rank's step then
+    shows it); the error buffer keeps none of it: 0 wherever input - output is not finite, the
+    same as elsewhere. On CUDA the decompression zeroes it as it writes (no pass of its own)."""
+    numel, q_numel, matrices, rest = layout(4)
+    g = torch.Generator().manual_seed(11)
+    x, a, q0 = torch.randn(numel, generator=g), torch.randn(numel, generator=g), torch.randn(q_numel, generator=g)
+    x[matrices[0][0] + 5] = float(bad)  # in the first matrix
+    x[rest[0][0]] = float(bad)  # and in the rest
+    p, q, packed, out, error, norms, _ = (
+        t.cpu() if isinstance(t, torch.Tensor) else t
+        for t in _C.powersgd_steps(x.to(device), q0.to(device), matrices, rest, 1e-8, addend=a.to(device), divisor=2))
+    total = x + a
+    assert not torch.isfinite(out).all()  # the overflow reaches the output
+    assert torch.isfinite(error).all()
+    left = total - out
+    torch.testing.assert_close(error, torch.where(torch.isfinite(left), left, torch.zeros_like(left)),
+                               rtol=1e-5, atol=1e-5)
+    assert (error[~torch.isfinite(left)] == 0).all()
+
+
 @needs_cuda
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2), (torch.bfloat16, 5e-2)])

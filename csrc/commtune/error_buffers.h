@@ -47,7 +47,8 @@ class ErrorBuffers {
 
 // Keeps no Inf or NaN in an error buffer (they become 0; what was sent carries the overflow to
 // every rank, for a loss scaler to skip the step): else every later step would send them
-// again. One pass over the buffer. PowerSGD's error buffer too.
+// again. One pass over the buffer: only TopK's exact selection still runs it (the other
+// kernels zero an overflow as they write the buffer; PowerSGD's in its decompression).
 inline void keep_finite(const at::Tensor& error) { error.nan_to_num_(0.0, 0.0, 0.0); }
 
 // Base of the hooks that send a lossy encoding with error feedback: the buffers, kept in

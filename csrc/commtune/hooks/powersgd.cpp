@@ -193,10 +193,8 @@ Hook::Launch PowerSgdHook::communicate(c10d::GradBucket& bucket) {
     }
     // An Inf or NaN gradient made this step's output NaN on every rank (a loss scaler skips
     // it); the error buffer and the warm-started Q would keep it for good: the error keeps none
-    // of it and Q starts again from where it started (the same on every rank).
-    if (error_feedback) {
-      keep_finite(kept->error);
-    }
+    // of it (the decompression zeroes it as it writes the buffer) and Q starts again from where
+    // it started (the same on every rank).
     if (warm_start) {
       kept->q_memory.copy_(at::where(at::isfinite(kept->q_memory).all(), kept->q_memory, kept->q_start));
     }

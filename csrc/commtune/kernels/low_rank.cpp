@@ -147,7 +147,7 @@ void low_rank_decompress_(const at::Tensor& p, const at::Tensor& q, const at::Te
                               .to(at::kDouble, /*non_blocking=*/false, /*copy=*/true)
                         : at::Tensor();
     at::mm_out(target, matrix_view(p, m.p_offset, m.rows, m.rank), matrix_view(q_mean, m.q_offset, m.cols, m.rank).t());
-    if (error.defined()) matrix_view(error, m.offset, m.rows, m.cols).sub_(target);
+    if (error.defined()) matrix_view(error, m.offset, m.rows, m.cols).sub_(target).nan_to_num_(0.0, 0.0, 0.0);
     if (norms.defined()) {
       norms[0].add_((before - target.to(at::kDouble)).square().sum());
       norms[1].add_(before.square().sum());
@@ -157,7 +157,7 @@ void low_rank_decompress_(const at::Tensor& p, const at::Tensor& q, const at::Te
   for (const RestSegment& s : plan.rest()) {
     at::Tensor target = out.narrow(0, s.offset, s.numel);
     target.copy_(rest_mean.narrow(0, s.rest_offset, s.numel));
-    if (error.defined()) error.narrow(0, s.offset, s.numel).sub_(target);
+    if (error.defined()) error.narrow(0, s.offset, s.numel).sub_(target).nan_to_num_(0.0, 0.0, 0.0);
   }
 }
 

@@ -98,7 +98,9 @@ void low_rank_project_back_(const at::Tensor& src, const at::Tensor& p, const at
 // Orthonormalizes the columns of every P_j (or Q_j), by orthogonalize_'s rule.
 void orthogonalize_factors_(const at::Tensor& memory, Factor which, double epsilon, const LowRankPlan& plan);
 // The last pass: M_j = P_j (Q_j / divisor)^T and the uncompressed segments = rest / divisor,
-// written into `out`; `error`, if defined, has the same subtracted. The divisor (the world
+// written into `out`; `error`, if defined, has the same subtracted, and an Inf or a NaN left
+// in it becomes 0 (error feedback keeps nothing of an overflow: the step's output carries it
+// to every rank instead; in this pass, not one of its own). The divisor (the world
 // size: Q and the rest arrive summed over ranks) divides Q as torch does, leaving Q's memory
 // as it is. `norms`, if defined (float64 [2]), gets sum (x - M_j)^2 and sum x^2 over the
 // compressed matrices added, x being what was there before (`error` if defined, else `out`).

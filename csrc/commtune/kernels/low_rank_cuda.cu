@@ -166,6 +166,14 @@ __global__ void sum_chunks_kernel(const at::acc_type<scalar_t, true>* __restrict
   q[m.q_offset + local] = static_cast<scalar_t>(sum);
 }
 
+// error[at] -= value, an Inf or a NaN result kept as 0: error feedback keeps nothing of an
+// overflow (the output carries it), without a pass of its own over the buffer.
+template <typename scalar_t>
+__device__ __forceinline__ void take_from_error(scalar_t* __restrict__ error, int64_t at, scalar_t value) {
+  const scalar_t left = error[at] - value;
+  error[at] = isfinite(static_cast<at::acc_type<scalar_t, true>>(left)) ? left : scalar_t(0);
+}
+
 // The last pass. Blocks below `tile_blocks`: one tile of M_j = P_j (Q_j / divisor)^T, each
 // thread one column (its row of Q in registers, the tile's rows of P in shared memory), written
 // to `out` and subtracted from `error`; with `norms`, the squared residual and input summed.
@@ -183,7 +191,7 @@ __global__ void decompress_kernel(const scalar_t* __restrict__ p, const scalar_t
       const int64_t at = t.segment->offset + e;
       const scalar_t value = static_cast<scalar_t>(exact_div(static_cast<acc_t>(rest[t.segment->rest_offset + e]), divisor));
       out[at] = value;
-      if (error != nullptr) error[at] -= value;
+      if (error != nullptr) take_from_error(error, at, value);
     }
     return;
   }
@@ -218,7 +226,7 @@ __global__ void decompress_kernel(const scalar_t* __restrict__ p, const scalar_t
         sums[1] += before * before;
       }
       out[at] = value;
-      if (error != nullptr) error[at] -= value;
+      if (error != nullptr) take_from_error(error, at, value);
     }
   }
   if (norms != nullptr) {  // the same for every thread of the block
