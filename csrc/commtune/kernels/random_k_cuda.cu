@@ -2,8 +2,9 @@
 // into slices of kSlice entries, one a block, and a block handles the draws that fall in its
 // slice (random_k_first_at_or_after): no access leaves the slice, so the bucket is read or written
 // once, in order, whatever k is. Taking is one kernel: a block reads its slice in 16-byte loads
-// for an Inf or a NaN, then gathers its draws (clearing them with error feedback), and the last
-// block to finish marks values[0] if any block found one. Placing is one kernel: a block zeroes
+// for an Inf or a NaN (with error feedback's add fused in, it reads the bucket too and writes the
+// sums back), then gathers its draws (clearing them with error feedback), and the last block to
+// finish marks values[0] if any block found one. Placing is one kernel: a block zeroes
 // its slice in 16-byte stores, then writes its draws' means.
 #include <commtune/kernels/fused_add.cuh>
 #include <commtune/kernels/random_k.h>

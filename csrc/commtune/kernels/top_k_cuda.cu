@@ -8,7 +8,9 @@
 //    keeps them in shared memory; they go to the run's slots in a scratch buffer in whole runs
 //    (room for twice the expected number).
 //    With `clear`, it also zeroes in the bucket each entry it keeps a slot for (fp32, fp16, bf16:
-//    a slot's float holds their value exactly), just after reading it.
+//    a slot's float holds their value exactly), just after reading it. With `add` (error
+//    feedback's add fused in), it streams x + add instead and writes the sums back whole, the
+//    entries it keeps as 0.
 // 3. A block for each streaming block, a warp for each run, adds up the counts of the runs before
 //    it and copies the run's entries to their places among the first k; an entry that the
 //    streaming pass cleared and that falls past the k-th gets its value back. A run with more
@@ -544,8 +546,9 @@ void threshold_top_k_cuda_(const at::Tensor& x, const at::Tensor& add, int64_t k
   const Picks picks{reinterpret_cast<float*>(out), out + k, k, qualifying.mutable_data_ptr<int64_t>()};
   const int device = x.get_device();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  // The fused add (error feedback) reads add and writes x in Four accesses, and asks L2 for add's
-  // tiles: both aligned to a Four and to 16 bytes, else x += add goes first, as a pass of its own.
+  // The fused add (error feedback) reads add and writes x in Four accesses: both aligned to a Four
+  // and to 16 bytes (so x's tiles are copied 16 bytes at a time), else x += add goes first, as a
+  // pass of its own.
   const auto vector_bytes = static_cast<uintptr_t>(std::max<int64_t>(16, 4 * x.element_size()));
   const bool fused = add.defined() && reinterpret_cast<uintptr_t>(x.const_data_ptr()) % vector_bytes == 0 &&
                      reinterpret_cast<uintptr_t>(add.const_data_ptr()) % vector_bytes == 0;
