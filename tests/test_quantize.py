@@ -9,7 +9,7 @@ import torch
 import compression_runs
 import distributed
 from commtune import _C
-from conftest import DEVICES, cuda_world_size, needs_cuda
+from conftest import DEVICES, cuda_world_size, needs_cuda, on_device
 
 CODES = ["int8", "int4", "e4m3"]
 TOP = {"int8": 127, "int4": 7, "e4m3": 448}  # the largest code magnitude
@@ -271,16 +271,10 @@ def test_accumulate_encodes_error_plus_bucket_as_add_then_encode_does(device, co
     error, bucket = (torch.randn(numel, generator=gen).to(dtype) for _ in range(2))
     _, piece_bytes = _C.quantize_layout(numel, ranks, chunk, codes)
     packed = [torch.empty(ranks * piece_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-
-    def placed(x):
-        base = torch.zeros(numel + offset, dtype=dtype, device=device)
-        base[offset:] = x.to(device)
-        return base[offset:]
-
-    before = placed(error)
-    before.add_(placed(bucket))
+    before = on_device(error, device, offset)
+    before.add_(on_device(bucket, device, offset))
     _C.quantize_shards_(before, before, packed[0], ranks, chunk, draws, codes)
-    fused, added = placed(error), placed(bucket)
+    fused, added = on_device(error, device, offset), on_device(bucket, device, offset)
     _C.quantize_shards_(added, fused, packed[1], ranks, chunk, draws, codes, accumulate=True)
     assert torch.equal(packed[1], packed[0])
     assert torch.equal(fused, before)

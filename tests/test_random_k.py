@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commtune import _C
-from conftest import DEVICES
+from conftest import DEVICES, on_device
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -19,13 +19,6 @@ SHAPES = [(100_000, 3_000), (70_001, 3), (40_000, 40_000), (50_000, 1)]
 def strata_starts(numel, k):
     """Stratum s holds entries floor(s numel / k) to floor((s + 1) numel / k) - 1."""
     return torch.arange(k + 1, dtype=torch.long) * numel // k
-
-
-def on_device(x, device, offset):
-    """A copy of x on the device starting `offset` elements into its storage (off alignment)."""
-    base = torch.empty(x.numel() + offset, dtype=x.dtype, device=device)
-    base[offset:] = x.to(device)
-    return base[offset:]
 
 
 def take(x, k, seed, clear, add=None):

@@ -8,7 +8,7 @@ import torch
 import compression_runs
 import distributed
 from commtune import _C
-from conftest import DEVICES, needs_cuda
+from conftest import DEVICES, needs_cuda, on_device
 
 CHUNK = compression_runs.CHUNK
 
@@ -40,13 +40,6 @@ def test_encoding_packs_the_signs_and_keeps_the_error(device, numel):
     torch.testing.assert_close(decoded.cpu(), encode(x, CHUNK), rtol=1e-6, atol=0)
     torch.testing.assert_close(error.cpu(), x - decoded.cpu(), rtol=0, atol=0)
     assert piece.numel() == 4 * words + 4 * -(-numel // CHUNK)  # a bit per element, a float per chunk
-
-
-def on_device(x, device, offset):
-    """x on the device, `offset` elements into its storage (off a Four's alignment for offset 1)."""
-    base = torch.zeros(x.numel() + offset, dtype=x.dtype, device=device)
-    base[offset:] = x.to(device)
-    return base[offset:]
 
 
 @pytest.mark.parametrize("device", DEVICES)

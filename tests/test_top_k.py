@@ -10,7 +10,7 @@ import compression_runs
 import distributed
 import test_sparsify
 from commtune import _C
-from conftest import DEVICES, needs_cuda
+from conftest import DEVICES, needs_cuda, on_device
 
 
 def rule(x, k):
@@ -206,7 +206,7 @@ def test_cuda_picks_follow_the_rule_with_many_tiles_a_warp(dtype, offset, adds):
     x[13_000_000:13_200_000] *= 50  # crowded runs late in the bucket, read again when placed
     x = x.to(dtype)
     k = 150_000
-    on = torch.cat([torch.zeros(offset, dtype=dtype), x]).cuda()[offset:]
+    on = on_device(x, "cuda", offset)
     # an aligned add with an aligned bucket is fused into the stream; off alignment it goes first
     add = gradient_like(x, 9).cuda() if adds else None
     assert_picks_follow_the_rule(x, on, k, True, add)

@@ -59,4 +59,12 @@ inline void check_addend(const at::Tensor& to, const at::Tensor& add, const char
               to_name, " overlaps it in part; pass a separate tensor (or the same one)");
 }
 
+// An encoding told to add the bucket (`src`) to the error buffer first (`accumulate`): it needs
+// that buffer, and the bucket must be a tensor check_addend accepts for it.
+inline void check_accumulate(const at::Tensor& src, const at::Tensor& error, bool accumulate, const char* scheme) {
+  if (!accumulate) return;
+  TORCH_CHECK(error.defined(), scheme, ": adding the bucket to the error buffer needs an error buffer");
+  check_addend(error, src, scheme, "the error buffer");
+}
+
 } // namespace commtune

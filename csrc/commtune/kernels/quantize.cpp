@@ -73,8 +73,7 @@ void quantize_shards_(const at::Tensor& src, const at::Tensor& error, const at::
     check_values(error, layout.numel, "Quantize", "the error buffer");
     check_same_device(src, error, "Quantize", "the error buffer");
   }
-  TORCH_CHECK(!accumulate || error.defined(), "Quantize: adding the bucket to the error buffer needs an error buffer");
-  if (accumulate) check_addend(error, src, "Quantize", "the error buffer");
+  check_accumulate(src, error, accumulate, "Quantize");
   check_packed(packed, layout.ranks * layout.piece_bytes(), "Quantize", "the packed buffer");
   check_same_device(src, packed, "Quantize", "the packed buffer");
 #ifdef COMMTUNE_WITH_CUDA

@@ -26,8 +26,7 @@ void sign_encode_(const at::Tensor& src, const at::Tensor& error, const at::Tens
     check_values(error, layout.numel, "SignSGD", "the error buffer");
     check_same_device(src, error, "SignSGD", "the error buffer");
   }
-  TORCH_CHECK(!accumulate || error.defined(), "SignSGD: adding the bucket to the error buffer needs an error buffer");
-  if (accumulate) check_addend(error, src, "SignSGD", "the error buffer");
+  check_accumulate(src, error, accumulate, "SignSGD");
   check_packed(piece, layout.piece_bytes(), "SignSGD", "the encoded piece");
   check_same_device(src, piece, "SignSGD", "the encoded piece");
 #ifdef COMMTUNE_WITH_CUDA
