@@ -240,6 +240,8 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("x"), py::arg("k"), py::arg("piece"), py::arg("qualifying"), py::arg("clear"), py::arg("add") = py::none(),
         "TopK's threshold selection (see kernels/top_k.h); returns nothing, fills piece and qualifying");
+  m.def("top_k_place_", &top_k_place_, py::arg("gathered"), py::arg("out"), py::arg("ranks"),
+        "TopK's decompression (see kernels/top_k.h): out = the mean of the ranks' all-gathered pieces");
   m.def("top_k_sample", [](int64_t numel, int64_t k) {
     const TopKSample s = TopKSample::of(numel, k);
     return py::make_tuple(s.size, s.stride, s.want);

@@ -5,9 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -148,6 +150,49 @@ TEST(ThresholdTopKEdges, WithAnAddendPicksFromTheSum) {
   EXPECT_TRUE(at::equal(pieces[0], pieces[1]));
   EXPECT_TRUE(at::equal(counts[0], counts[1]));
   EXPECT_TRUE(at::equal(fused, added));
+}
+
+// TopK's decompression (top_k_place_) of pieces the selection wrote, three ranks whose buckets
+// differ (one with few entries qualifying: a piece with unused slots), against the steps in ATen
+// ops: a float32 zero bucket, index_add_ of each rank's picks in rank order, / 3, then the dtype.
+TEST(TopKPlace, IsTheMeanOfTheRanksPicks) {
+  constexpr int64_t n = 20000, k = 200, ranks = 3;
+  std::vector<at::Tensor> pieces;
+  at::Tensor total = at::zeros({n});
+  for (int64_t r = 0; r < ranks; ++r) {
+    at::Tensor x = bucket(n + r, at::kFloat).slice(0, 0, n).contiguous();
+    // 205 entries far above the rest, all in the sample (its first 16384 entries): the 164th
+    // largest of them is the threshold, so 164 qualify, and 36 slots stay unused
+    if (r == 2) x.slice(0, 0, 16384, 80).mul_(1e4);
+    at::Tensor piece = at::empty({2 * k}, at::kInt);
+    commtune::threshold_top_k_(x, k, piece, at::empty({1}, at::kLong), false);
+    const Taken expected = rule(x, k);
+    const int64_t taken = std::min(expected.qualifying, k);
+    if (r == 2) EXPECT_LT(taken, k);
+    total.index_add_(0, expected.indices.slice(0, 0, taken).to(at::kLong), expected.values.slice(0, 0, taken));
+    pieces.push_back(piece);
+  }
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    at::Tensor out = at::full({n}, 7.0, dtype);
+    commtune::top_k_place_(at::cat(pieces), out, ranks);
+    EXPECT_TRUE(at::equal(out, total.div(ranks).to(dtype))) << dtype;
+  }
+}
+
+TEST(TopKPlace, RefusesAPieceOutOfOrderAndLeavesTheBucket) {
+  at::Tensor piece = at::zeros({8}, at::kInt);  // k = 4: picks at 5 and 9, then a value at 2
+  piece.slice(0, 0, 3).view(at::kFloat).fill_(1.0f);
+  piece[4] = 5;
+  piece[5] = 9;
+  piece[6] = 2;
+  at::Tensor out = at::full({10}, 7.0f);
+  EXPECT_THROW(commtune::top_k_place_(piece, out, 1), c10::Error);
+  EXPECT_TRUE(at::equal(out, at::full({10}, 7.0f)));
+  piece[2] = 0;  // the slot after the picks holds 0: an unused slot
+  commtune::top_k_place_(piece, out, 1);
+  EXPECT_EQ(out.nonzero().numel(), 2);
+  EXPECT_THROW(commtune::top_k_place_(piece, out, 0), c10::Error);
+  EXPECT_THROW(commtune::top_k_place_(piece.slice(0, 0, 6), out, 2), c10::Error);
 }
 
 } // namespace

@@ -29,7 +29,9 @@ at::Tensor TopKHook::pick(const at::Tensor& x, int64_t k, const at::Tensor& add)
     return piece;
   }
   if (add.defined()) x.add_(add);
-  const at::Tensor indices = std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false));
+  // In index order, as top_k_place_ reads a piece (the threshold selection's picks come so).
+  const at::Tensor indices =
+      std::get<0>(std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false)).sort());
   piece.narrow(0, 0, k).view(at::kFloat).copy_(x.index_select(0, indices));
   piece.narrow(0, k, k).copy_(indices);
   if (options_.error_feedback) keep_finite(x.index_fill_(0, indices, 0));
@@ -61,14 +63,8 @@ Hook::Launch TopKHook::communicate(c10d::GradBucket& bucket) {
   const int64_t n = world_size();
   at::Tensor gathered = at::empty({n * 2 * k}, piece.options());
   auto future = all_gather_into(gathered, piece);
-  auto finish = [buffer, gathered, n, k](const at::Tensor&) mutable {
-    at::Tensor sum = at::zeros({buffer.numel()}, buffer.options().dtype(at::kFloat));
-    // One rank at a time, in a fixed order: within a rank's piece only unused slots (0 at index 0) repeat.
-    for (int64_t r = 0; r < n; ++r) {
-      const at::Tensor part = gathered.narrow(0, r * 2 * k, 2 * k);
-      sum.index_add_(0, part.narrow(0, k, k).to(at::kLong), part.narrow(0, 0, k).view(at::kFloat));
-    }
-    buffer.copy_(sum.div_(n));
+  auto finish = [buffer, gathered, n](const at::Tensor&) mutable {
+    top_k_place_(gathered, buffer, n);  // the ranks' entries summed in rank order, / n; 0 elsewhere
     record_on_current_stream(gathered);
     return buffer;
   };

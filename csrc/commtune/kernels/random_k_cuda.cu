@@ -7,6 +7,7 @@
 // finish marks values[0] if any block found one. Placing is one kernel: a block zeroes
 // its slice in 16-byte stores, then writes its draws' means.
 #include <commtune/kernels/fused_add.cuh>
+#include <commtune/kernels/pack.cuh>
 #include <commtune/kernels/random_k.h>
 
 #include <ATen/Dispatch.h>
@@ -22,26 +23,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kSlice = 16384;  // entries a block: 64 KB of fp32, 16 packs a thread
-
-template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kCount = 16 / sizeof(T);
-  T v[kCount];
-};
-
-// Entries [lo, hi) of base as single entries before the first 16-byte boundary ([lo, packs)),
-// whole packs ([packs, tail)) and single entries after the last ([tail, hi)).
-struct PackedSpan {
-  int64_t packs, tail;
-};
-
-template <typename T>
-__device__ __forceinline__ PackedSpan packed_span(const T* base, int64_t lo, int64_t hi) {
-  constexpr int64_t count = Pack<T>::kCount;
-  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(base + lo) % 16) / sizeof(T);
-  const int64_t packs = min(hi, lo + (count - misaligned) % count);
-  return {packs, packs + (hi - packs) / count * count};
-}
 
 // This block's entries, [lo, hi).
 struct Slice {

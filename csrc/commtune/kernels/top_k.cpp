@@ -75,4 +75,57 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
   });
 }
 
+namespace {
+
+// How many of a piece's k slots are picks: up to the first index not above the one before it.
+int64_t top_k_picks(const int32_t* indices, int64_t k) {
+  int64_t m = 1;
+  while (m < k && indices[m] > indices[m - 1]) ++m;
+  return m;
+}
+
+}  // namespace
+
+void top_k_place_(const at::Tensor& gathered, const at::Tensor& out, int64_t ranks) {
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.is_floating_point() && out.numel() > 0 &&
+                  out.numel() < (int64_t{1} << 31),
+              "TopK: the bucket must be a contiguous 1-D floating-point tensor of 1 to 2^31 - 1 entries, got ",
+              out.scalar_type(), " ", shape_of(out));
+  TORCH_CHECK(ranks >= 1, "TopK: ranks must be at least 1, got ", std::to_string(ranks));
+  TORCH_CHECK(gathered.scalar_type() == at::kInt && gathered.dim() == 1 && gathered.is_contiguous() &&
+                  gathered.numel() > 0 && gathered.numel() % (2 * ranks) == 0,
+              "TopK: the gathered pieces must be a contiguous 1-D int32 tensor of ranks x 2k entries (", 
+              std::to_string(ranks), " ranks), got ", gathered.scalar_type(), " ", shape_of(gathered));
+  check_same_device(out, gathered, "TopK", "the gathered pieces");
+#ifdef COMMTUNE_WITH_CUDA
+  if (out.is_cuda()) return top_k_place_cuda_(gathered, out, ranks);
+#endif
+  const int64_t numel = out.numel(), k = gathered.numel() / (2 * ranks);
+  // Every piece is checked before out is written: a refused call leaves it as it was.
+  std::vector<float> sum(numel, 0.0f);
+  const int32_t* pieces = gathered.const_data_ptr<int32_t>();
+  for (int64_t r = 0; r < ranks; ++r) {
+    const float* values = reinterpret_cast<const float*>(pieces + r * 2 * k);
+    const int32_t* indices = pieces + r * 2 * k + k;
+    const int64_t m = top_k_picks(indices, k);
+    for (int64_t j = 0; j < k; ++j) {
+      if (j >= m) {
+        TORCH_CHECK(values[j] == 0.0f, "TopK: rank ", std::to_string(r), "'s piece is out of order: slot ",
+                    std::to_string(j), " holds a value, but its index is not above the one before it (a piece's "
+                    "picks come in ascending index order, then unused slots of value 0)");
+        continue;
+      }
+      TORCH_CHECK(indices[j] >= 0 && indices[j] < numel, "TopK: rank ", std::to_string(r), "'s piece has index ",
+                  std::to_string(indices[j]), " at slot ", std::to_string(j), ", outside the bucket's ",
+                  std::to_string(numel), " entries");
+      sum[indices[j]] += values[j];
+    }
+  }
+  const quant::Divisor divisor = quant::Divisor::of(ranks);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "top_k_place", [&] {
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < numel; ++i) dst[i] = static_cast<scalar_t>(divisor.apply(sum[i]));
+  });
+}
+
 } // namespace commtune

@@ -59,7 +59,9 @@ def passes_of(codes, numel, ranks, chunk, device):
 
 
 def sparsifier_passes(numel, ranks, chunk, device, calls=1):
-    """SignSGD's two kernels, RandomK's two passes, and TopK's two selections, at ratio 0.01: the
+    """SignSGD's two kernels, RandomK's two passes, TopK's decompression (the mean of `ranks` pieces:
+    one dense write, and the ATen ops it replaced as an information row) and TopK's two
+    selections, at ratio 0.01: the
     threshold one (commtune's kernels: a sampled threshold, then one pass), alone and as the hook runs it with
     error feedback (adding the bucket to the error buffer in the same pass, and clearing what it
     takes, and any Inf or NaN, from that buffer), and the exact one (torch.topk: a radix select, not
@@ -83,6 +85,12 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
     # RandomK clears the same positions every call with the same seed: one spare bucket will do.
     spare, drawn = src.clone(), torch.empty(k, device=device)
     cleared = torch.empty_like(qualifying)
+    # Every rank's piece as the selection writes it: k picks in index order (values, indices).
+    pieces = []
+    for _ in range(ranks):
+        picked = torch.randperm(numel, device=device)[:k].sort().values
+        pieces += [torch.randn(k, device=device).view(torch.int32), picked.to(torch.int32)]
+    gathered_k = torch.cat(pieces)
     return {
         "top-k select, ratio 0.01 (threshold)": (lambda: _C.threshold_top_k_(src, k, piece_k, qualifying, False),
                                                  4 * numel + 8 * k),
@@ -103,8 +111,20 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
             lambda: _C.sign_encode_(src, error, gathered[:piece], chunk, accumulate=True), 12 * numel + piece),
         f"sign decode the mean of {ranks} ranks": (lambda: _C.sign_decode_mean_(gathered, out, ranks, chunk),
                                                     ranks * piece + 4 * numel),
+        topk_place(ranks): (lambda: _C.top_k_place_(gathered_k, out, ranks), 4 * numel + ranks * 8 * k),
+        TOPK_PLACE_ATEN: (lambda: topk_place_in_aten(gathered_k, out, ranks), 4 * numel + ranks * 8 * k),
         EXACT_TOPK: (lambda: src.abs().topk(k, sorted=False), 4 * numel + 8 * k),
     }, qualifying, k
+
+
+def topk_place_in_aten(gathered, out, ranks):
+    """What the TopK hook ran to decompress before top_k_place_ (thirty-second session)."""
+    k = gathered.numel() // (2 * ranks)
+    total = torch.zeros(out.numel(), device=out.device)
+    for r in range(ranks):
+        part = gathered[2 * k * r:2 * k * (r + 1)]
+        total.index_add_(0, part[k:].long(), part[:k].view(torch.float32))
+    out.copy_(total.div_(ranks))
 
 
 EXACT_TOPK = "top-k select, ratio 0.01 (torch.topk, exact)"
@@ -113,9 +133,10 @@ RANDOMK_CLEAR_NO_ADD = "random-k take and clear, ratio 0.01, no add (error feedb
 RANDOMK_SEED = 2026
 TOPK_AS_THE_HOOK = "top-k error += bucket, select and clear, ratio 0.01 (threshold: the hook's call, error feedback)"
 TOPK_CLEAR_NO_ADD = "top-k select and clear, ratio 0.01, no add (error feedback's fallback, unaligned buffers)"
+TOPK_PLACE_ATEN = "top-k place the mean, before: ATen ops (zeros, index_add_ a rank, div_, copy_)"
 # Rows outside the bars: not run by the hooks on aligned buffers (all of DDP's and commtune's),
-# or not commtune's kernels.
-INFORMATION = (RANDOMK_CLEAR_NO_ADD, TOPK_CLEAR_NO_ADD)
+# or no longer run by them.
+INFORMATION = (RANDOMK_CLEAR_NO_ADD, TOPK_CLEAR_NO_ADD, TOPK_PLACE_ATEN)
 LAUNCH_ALONE = "device: a one-element add (a launch alone)"
 # A full read and write of the bucket: what TopK's error feedback ran after the threshold
 # selection to keep its buffer finite, before the selection took that over (twenty-sixth session).
@@ -128,6 +149,10 @@ WARMUP = 3  # untimed calls before each timing
 
 def randomk_place(ranks):
     return f"random-k place the mean of {ranks} ranks, ratio 0.01 (one dense write)"
+
+
+def topk_place(ranks):
+    return f"top-k place the mean of {ranks} ranks, ratio 0.01 (one dense write)"
 
 
 def small_copy(kind):
@@ -203,6 +228,8 @@ def main(argv=None):
           f"nan_to_num_ pass, {1e3 * rows[NAN_TO_NUM]['ms']:.2f} us)")
     print(f"RandomK's error-feedback take: {1e3 * rows[RANDOMK_TAKE]['ms']:.2f} us; before: the add {add_us:.2f} us, "
           f"then the take {1e3 * rows[RANDOMK_CLEAR_NO_ADD]['ms']:.2f} us")
+    aten, ours = rows[TOPK_PLACE_ATEN]["ms"], rows[topk_place(args.ranks)]["ms"]
+    print(f"TopK's decompression: {1e3 * ours:.2f} us; before (ATen ops) {1e3 * aten:.2f} us, {aten / ours:.2f}x")
     bars = {f"{n} >= 80% of copy bandwidth": r["fraction_of_copy_bw"] >= 0.8
             for n, r in rows.items() if not n.startswith("device") and n != EXACT_TOPK and n not in INFORMATION}
     for bar, ok in bars.items():

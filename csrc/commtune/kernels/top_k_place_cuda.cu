@@ -1,0 +1,195 @@
+// CUDA side of top_k_place_ (checks and the CPU loop in top_k.cpp): TopK's decompression as one
+// dense write of the bucket. The bucket is cut into tiles of kTile entries, one a block; a block
+// sums in shared memory the ranks' entries that fall in its tile, rank after rank, and writes the
+// tile's means whole, in 16-byte stores. A piece's picks come in ascending index order, so the
+// entries of one rank in one tile are one stretch of its piece, and two light passes over the
+// indices find where each stretch starts (no sort, no atomics on the bucket):
+// 1. picks_kernel: where a piece's picks end (its first index not above the one before it);
+// 2. bounds_kernel: pick j starts the stretches of the tiles after its predecessor's up to its
+//    own. It also asserts that every pick's index lies in the bucket and that every unused slot
+//    holds 0;
+// 3. place_kernel.
+#include <commtune/kernels/pack.cuh>
+#include <commtune/kernels/quantize_rules.h>
+#include <commtune/kernels/top_k.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#ifndef CUDA_KERNEL_ASSERT_MSG  // torch releases before the message form
+#define CUDA_KERNEL_ASSERT_MSG(cond, msg) CUDA_KERNEL_ASSERT(cond)
+#endif
+
+namespace commtune {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileShift = 12;
+constexpr int64_t kTile = int64_t{1} << kTileShift;  // entries a block: 16 KB of float sums
+constexpr int kRanksAhead = 8;  // ranks whose entries a block loads before it adds the first
+
+// The sum and the mean rounded as the CPU rounds them, subnormals kept: the build's
+// --use_fast_math flushes them in a + b, __fadd_rn and the like (.ftz).
+__device__ __forceinline__ float add_keeping_subnormals(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float mean_keeping_subnormals(float sum, const quant::Divisor& divisor) {
+  float r;
+  if (divisor.inverse != 0.0f) {
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(sum), "f"(divisor.inverse));
+  } else {
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(sum), "f"(divisor.n));
+  }
+  return r;
+}
+
+// Rank r's piece: k values (float32 bits), then k indices.
+__device__ __forceinline__ const int32_t* values_of(const int32_t* gathered, int64_t k, int r) {
+  return gathered + 2 * k * r;
+}
+__device__ __forceinline__ const int32_t* indices_of(const int32_t* gathered, int64_t k, int r) {
+  return gathered + 2 * k * r + k;
+}
+
+// picks[r] (k to start with) = the first slot j whose index is not above slot j - 1's. Only the
+// first slot of each such run asks, so a piece's run of unused slots (index 0) is one atomic.
+__global__ void __launch_bounds__(kThreads) picks_kernel(const int32_t* gathered, int64_t k, int32_t* picks) {
+  const int r = static_cast<int>(blockIdx.y);
+  const int32_t* index = indices_of(gathered, k, r);
+  for (int64_t j = 1 + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
+       j += static_cast<int64_t>(gridDim.x) * kThreads) {
+    if (index[j] <= index[j - 1] && (j == 1 || index[j - 1] > index[j - 2])) {
+      atomicMin(picks + r, static_cast<int32_t>(j));
+    }
+  }
+}
+
+// The tile of a pick's index, clamped so that a bad index (asserted below) cannot write outside
+// starts.
+__device__ __forceinline__ int64_t tile_of(int32_t index, int64_t tiles) {
+  return min(static_cast<int64_t>(max(index, 0)) >> kTileShift, tiles - 1);
+}
+
+// starts[r][t] = the first pick of rank r in tile t or after it (tiles + 1 of them a rank): pick
+// j starts the tiles after pick j - 1's up to its own; the tiles up to the first pick's start at
+// 0, those after the last pick's at m (its count). Every entry is written once.
+__global__ void __launch_bounds__(kThreads) bounds_kernel(const int32_t* gathered, int64_t k, const int32_t* picks,
+                                                          int64_t numel, int64_t tiles, int32_t* starts) {
+  const int r = static_cast<int>(blockIdx.y);
+  const int32_t* value = values_of(gathered, k, r);
+  const int32_t* index = indices_of(gathered, k, r);
+  int32_t* start = starts + (tiles + 1) * r;
+  const int64_t m = picks[r], first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
+                stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t j = first; j < k; j += stride) {
+    if (j >= m) {
+      CUDA_KERNEL_ASSERT_MSG(__int_as_float(value[j]) == 0.0f,
+                             "TopK: a piece's slot after its picks holds a value (picks come in ascending index "
+                             "order, then unused slots of value 0)");
+      continue;
+    }
+    CUDA_KERNEL_ASSERT_MSG(index[j] >= 0 && index[j] < numel, "TopK: a piece's index lies outside the bucket");
+    if (j == 0) continue;  // the tiles up to the first pick's: below
+    const int64_t tile = tile_of(index[j], tiles);
+    for (int64_t t = min(tile_of(index[j - 1], tiles), tile) + 1; t <= tile; ++t) start[t] = static_cast<int32_t>(j);
+  }
+  // The ends, which one pick would otherwise write alone (a piece of one pick: every tile)
+  const int64_t head = tile_of(index[0], tiles), tail = tile_of(index[m - 1], tiles);
+  for (int64_t t = first; t <= head; t += stride) start[t] = 0;
+  for (int64_t t = tail + 1 + first; t <= tiles; t += stride) start[t] = static_cast<int32_t>(m);
+}
+
+// One tile: the ranks' sums in shared memory (rank by rank, as index_add_ a rank at a time would
+// add them), then the means written whole. An entry outside the tile (a bad piece, asserted by
+// bounds_kernel) is skipped rather than written out of bounds.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) place_kernel(const int32_t* gathered, int64_t k, int ranks,
+                                                         const int32_t* starts, int64_t tiles, scalar_t* out,
+                                                         int64_t numel, quant::Divisor divisor) {
+  __shared__ float4 sums4[kTile / 4];
+  float* sums = reinterpret_cast<float*>(sums4);
+  const int64_t t = blockIdx.x, lo = t * kTile, size = min(kTile, numel - lo);
+  for (int i = threadIdx.x; i < kTile / 4; i += kThreads) sums4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int r0 = 0; r0 < ranks; r0 += kRanksAhead) {
+    // Every rank's first entry of this thread is loaded before any is added: one round trip.
+    int32_t from[kRanksAhead], to[kRanksAhead], at[kRanksAhead];
+    float value[kRanksAhead];
+#pragma unroll
+    for (int g = 0; g < kRanksAhead; ++g) {
+      const int r = r0 + g;
+      from[g] = r < ranks ? starts[(tiles + 1) * r + t] : 0;
+      to[g] = r < ranks ? starts[(tiles + 1) * r + t + 1] : 0;
+    }
+#pragma unroll
+    for (int g = 0; g < kRanksAhead; ++g) {
+      const int64_t j = from[g] + threadIdx.x;
+      at[g] = -1;
+      if (j < to[g]) {
+        at[g] = static_cast<int32_t>(indices_of(gathered, k, r0 + g)[j] - lo);
+        value[g] = __int_as_float(values_of(gathered, k, r0 + g)[j]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kRanksAhead; ++g) {
+      __syncthreads();  // the zeros, or the rank before, are in
+      if (at[g] >= 0 && at[g] < size) sums[at[g]] = add_keeping_subnormals(sums[at[g]], value[g]);
+      // More of this rank's entries in the tile than threads (ratios above ~6%).
+      for (int64_t j = from[g] + threadIdx.x + kThreads; j < to[g]; j += kThreads) {
+        const int64_t i = indices_of(gathered, k, r0 + g)[j] - lo;
+        if (i >= 0 && i < size) sums[i] = add_keeping_subnormals(sums[i], __int_as_float(values_of(gathered, k, r0 + g)[j]));
+      }
+    }
+  }
+  __syncthreads();
+  auto mean = [&](int64_t i) { return static_cast<scalar_t>(mean_keeping_subnormals(sums[i], divisor)); };
+  const PackedSpan span = packed_span(out, lo, lo + size);
+  for (int64_t i = lo + threadIdx.x; i < span.packs; i += kThreads) out[i] = mean(i - lo);
+  for (int64_t i = span.tail + threadIdx.x; i < lo + size; i += kThreads) out[i] = mean(i - lo);
+  auto* packs = reinterpret_cast<Pack<scalar_t>*>(out + span.packs);
+  const int64_t first = span.packs - lo;
+  for (int64_t p = threadIdx.x; p < (span.tail - span.packs) / Pack<scalar_t>::kCount; p += kThreads) {
+    Pack<scalar_t> v;
+#pragma unroll
+    for (int e = 0; e < Pack<scalar_t>::kCount; ++e) v.v[e] = mean(first + p * Pack<scalar_t>::kCount + e);
+    packs[p] = v;
+  }
+}
+
+}  // namespace
+
+void top_k_place_cuda_(const at::Tensor& gathered, const at::Tensor& out, int64_t ranks) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t numel = out.numel(), k = gathered.numel() / (2 * ranks), tiles = (numel + kTile - 1) / kTile;
+  TORCH_CHECK(k < (int64_t{1} << 31) && ranks <= 65535, "TopK: pieces of ", std::to_string(k), " slots from ",
+              std::to_string(ranks), " ranks are more than the CUDA pass indexes (2^31 - 1 slots, 65535 ranks)");
+  at::Tensor picks = at::full({ranks}, k, gathered.options());
+  at::Tensor starts = at::empty({ranks * (tiles + 1)}, gathered.options());
+  const int32_t* pieces = gathered.const_data_ptr<int32_t>();
+  const dim3 grid(static_cast<unsigned int>(std::min<int64_t>((k + 4 * kThreads - 1) / (4 * kThreads), 1024)),
+                  static_cast<unsigned int>(ranks));
+  if (k > 1) {
+    picks_kernel<<<grid, kThreads, 0, stream>>>(pieces, k, picks.mutable_data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  bounds_kernel<<<grid, kThreads, 0, stream>>>(pieces, k, picks.const_data_ptr<int32_t>(), numel, tiles,
+                                               starts.mutable_data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const quant::Divisor divisor = quant::Divisor::of(ranks);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "top_k_place", [&] {
+    place_kernel<scalar_t><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(
+        pieces, k, static_cast<int>(ranks), starts.const_data_ptr<int32_t>(), tiles, out.mutable_data_ptr<scalar_t>(),
+        numel, divisor);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+} // namespace commtune
