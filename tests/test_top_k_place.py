@@ -42,9 +42,10 @@ def gathered_pieces(numel, k, ranks, fill, seed=0, special=()):
 
 
 def picks_of(indices):
-    """How many of a piece's slots are picks: up to the first index not above the one before it."""
-    descents = (indices[1:] <= indices[:-1]).nonzero()
-    return len(indices) if len(descents) == 0 else int(descents[0]) + 1
+    """Which of a piece's slots are picks: slot 0, and every later slot not at index 0."""
+    picked = indices != 0
+    picked[0] = True
+    return picked
 
 
 def reference(gathered, numel, ranks, dtype):
@@ -54,8 +55,8 @@ def reference(gathered, numel, ranks, dtype):
     for r in range(ranks):
         part = gathered[2 * k * r : 2 * k * (r + 1)]
         values, indices = part[:k].view(torch.float32), part[k:]
-        m = picks_of(indices)
-        total.index_add_(0, indices[:m].long(), values[:m])
+        picked = picks_of(indices)
+        total.index_add_(0, indices[picked].long(), values[picked])
     return (total / ranks).to(dtype)
 
 
@@ -153,8 +154,16 @@ def test_out_of_order_pieces_and_bad_indices_are_refused_and_leave_the_bucket():
     out = torch.full((numel,), 7.0)
     late = good.clone()
     late[k - 1] = torch.tensor([1.5]).view(torch.int32)  # a value in an unused slot
-    with pytest.raises(RuntimeError, match="out of order"):
+    with pytest.raises(RuntimeError, match="unused slot"):
         _C.top_k_place_(torch.cat([good, late]), out, 2)
+    swapped = good.clone()
+    swapped[k + 1], swapped[k + 2] = good[k + 2], good[k + 1]
+    with pytest.raises(RuntimeError, match="out of order"):
+        _C.top_k_place_(swapped, out, 1)
+    after_unused = good.clone()
+    after_unused[k + 6] = 5  # a pick after the unused slots begin
+    with pytest.raises(RuntimeError, match="out of order"):
+        _C.top_k_place_(after_unused, out, 1)
     outside = good.clone()
     outside[k + 4] = numel  # the last pick (indices ascend up to it) past the bucket's end
     with pytest.raises(RuntimeError, match="outside the bucket"):

@@ -75,17 +75,6 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
   });
 }
 
-namespace {
-
-// How many of a piece's k slots are picks: up to the first index not above the one before it.
-int64_t top_k_picks(const int32_t* indices, int64_t k) {
-  int64_t m = 1;
-  while (m < k && indices[m] > indices[m - 1]) ++m;
-  return m;
-}
-
-}  // namespace
-
 void top_k_place_(const at::Tensor& gathered, const at::Tensor& out, int64_t ranks) {
   TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.is_floating_point() && out.numel() > 0 &&
                   out.numel() < (int64_t{1} << 31),
@@ -107,18 +96,19 @@ void top_k_place_(const at::Tensor& gathered, const at::Tensor& out, int64_t ran
   for (int64_t r = 0; r < ranks; ++r) {
     const float* values = reinterpret_cast<const float*>(pieces + r * 2 * k);
     const int32_t* indices = pieces + r * 2 * k + k;
-    const int64_t m = top_k_picks(indices, k);
     for (int64_t j = 0; j < k; ++j) {
-      if (j >= m) {
-        TORCH_CHECK(values[j] == 0.0f, "TopK: rank ", std::to_string(r), "'s piece is out of order: slot ",
-                    std::to_string(j), " holds a value, but its index is not above the one before it (a piece's "
-                    "picks come in ascending index order, then unused slots of value 0)");
+      const int32_t i = indices[j];
+      if (j > 0 && i == 0) {  // an unused slot (a pick after slot 0 has a larger index)
+        TORCH_CHECK(values[j] == 0.0f, "TopK: rank ", std::to_string(r), "'s piece has a value in unused slot ",
+                    std::to_string(j), " (index 0 after slot 0); unused slots hold 0");
         continue;
       }
-      TORCH_CHECK(indices[j] >= 0 && indices[j] < numel, "TopK: rank ", std::to_string(r), "'s piece has index ",
-                  std::to_string(indices[j]), " at slot ", std::to_string(j), ", outside the bucket's ",
-                  std::to_string(numel), " entries");
-      sum[indices[j]] += values[j];
+      TORCH_CHECK(j == 0 || ((j == 1 || indices[j - 1] != 0) && i > indices[j - 1]), "TopK: rank ",
+                  std::to_string(r), "'s piece is out of order at slot ", std::to_string(j),
+                  " (a piece's picks come in ascending index order, then unused slots: value 0 at index 0)");
+      TORCH_CHECK(i >= 0 && i < numel, "TopK: rank ", std::to_string(r), "'s piece has index ", std::to_string(i),
+                  " at slot ", std::to_string(j), ", outside the bucket's ", std::to_string(numel), " entries");
+      sum[i] += values[j];
     }
   }
   const quant::Divisor divisor = quant::Divisor::of(ranks);

@@ -35,10 +35,11 @@ void threshold_top_k_(const at::Tensor& x, int64_t k, const at::Tensor& piece, c
 // (gathered: int32, ranks x 2k, each laid out as threshold_top_k_ writes one) summed in float32,
 // in rank order, divided by `ranks` and rounded once to out's dtype; 0 where no rank sent an
 // entry. A piece's entries are its picks, indices strictly ascending and in [0, out.numel()),
-// then unused slots of value 0 whatever their index (the first index not above the one before it
-// starts them). Both selections write pieces so: the exact one sorts its picks by index. A piece
-// that breaks this is refused (CPU: a c10::Error; CUDA: a device-side assertion, which the next
-// synchronizing call raises). On CUDA a dense write of out and one read of the pieces.
+// then unused slots, value 0 at index 0 (a slot after the first at index 0 is unused: a pick
+// there would not ascend), as both selections write them: the exact one sorts its picks by index.
+// A piece that breaks this is refused (CPU: a c10::Error, out left as it was; CUDA: a device-side
+// assertion, which the next synchronizing call raises). On CUDA a dense write of out and one
+// read of the pieces.
 void top_k_place_(const at::Tensor& gathered, const at::Tensor& out, int64_t ranks);
 
 // The sample's size and rank for a bucket of numel entries and k to take.

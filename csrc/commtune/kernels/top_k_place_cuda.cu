@@ -2,13 +2,13 @@
 // dense write of the bucket. The bucket is cut into tiles of kTile entries, one a block; a block
 // sums in shared memory the ranks' entries that fall in its tile, rank after rank, and writes the
 // tile's means whole, in 16-byte stores. A piece's picks come in ascending index order, so the
-// entries of one rank in one tile are one stretch of its piece, and two light passes over the
-// indices find where each stretch starts (no sort, no atomics on the bucket):
-// 1. picks_kernel: where a piece's picks end (its first index not above the one before it);
-// 2. bounds_kernel: pick j starts the stretches of the tiles after its predecessor's up to its
-//    own. It also asserts that every pick's index lies in the bucket and that every unused slot
-//    holds 0;
-// 3. place_kernel.
+// entries of one rank in one tile are one stretch of its piece, and a light pass over the
+// indices finds where each stretch starts (no sort, no atomics on the bucket):
+// 1. bounds_kernel: pick j starts the stretches of the tiles after its predecessor's up to its
+//    own; it also asserts that the picks ascend and lie in the bucket, and that every unused slot
+//    holds 0 at index 0;
+// 2. place_kernel, launched dependent on it (sm_90 on): its blocks clear their sums meanwhile.
+#include <commtune/kernels/dependent_launch.cuh>
 #include <commtune/kernels/pack.cuh>
 #include <commtune/kernels/quantize_rules.h>
 #include <commtune/kernels/top_k.h>
@@ -28,6 +28,7 @@
 namespace commtune {
 namespace {
 
+constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = 256;
 constexpr int kTileShift = 12;
 constexpr int64_t kTile = int64_t{1} << kTileShift;  // entries a block: 16 KB of float sums
@@ -59,52 +60,63 @@ __device__ __forceinline__ const int32_t* indices_of(const int32_t* gathered, in
   return gathered + 2 * k * r + k;
 }
 
-// picks[r] (k to start with) = the first slot j whose index is not above slot j - 1's. Only the
-// first slot of each such run asks, so a piece's run of unused slots (index 0) is one atomic.
-__global__ void __launch_bounds__(kThreads) picks_kernel(const int32_t* gathered, int64_t k, int32_t* picks) {
-  const int r = static_cast<int>(blockIdx.y);
-  const int32_t* index = indices_of(gathered, k, r);
-  for (int64_t j = 1 + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
-       j += static_cast<int64_t>(gridDim.x) * kThreads) {
-    if (index[j] <= index[j - 1] && (j == 1 || index[j - 1] > index[j - 2])) {
-      atomicMin(picks + r, static_cast<int32_t>(j));
-    }
-  }
-}
-
-// The tile of a pick's index, clamped so that a bad index (asserted below) cannot write outside
-// starts.
+// The tile of an index, clamped so that a bad index (asserted in bounds_kernel) cannot write
+// outside starts.
 __device__ __forceinline__ int64_t tile_of(int32_t index, int64_t tiles) {
   return min(static_cast<int64_t>(max(index, 0)) >> kTileShift, tiles - 1);
 }
 
+// starts[t] = t0 for the tiles [from, to), the warp's lanes sharing the stores (one pick may
+// start or end thousands of tiles: a piece with few picks).
+__device__ __forceinline__ void fill_by_warp(int32_t* starts, int64_t from, int64_t to, int32_t t0, int lane) {
+  for (int64_t t = from + lane; t < to; t += 32) starts[t] = t0;
+}
+
 // starts[r][t] = the first pick of rank r in tile t or after it (tiles + 1 of them a rank): pick
-// j starts the tiles after pick j - 1's up to its own; the tiles up to the first pick's start at
-// 0, those after the last pick's at m (its count). Every entry is written once.
-__global__ void __launch_bounds__(kThreads) bounds_kernel(const int32_t* gathered, int64_t k, const int32_t* picks,
-                                                          int64_t numel, int64_t tiles, int32_t* starts) {
-  const int r = static_cast<int>(blockIdx.y);
+// j >= 1 starts the tiles after pick j - 1's up to its own; the tiles up to pick 0's start at 0,
+// and those after the last pick's at the count of picks. Every entry is written once. A slot j >=
+// 1 at index 0 is unused (a pick after slot 0 has a larger index); checked here: it holds 0, and
+// no pick follows it.
+__global__ void __launch_bounds__(kThreads) bounds_kernel(const int32_t* gathered, int64_t k, int64_t numel,
+                                                          int64_t tiles, int32_t* starts) {
+  dependent::allow_next_grid();  // the placing blocks may start and clear their sums meanwhile
+  const int r = static_cast<int>(blockIdx.y), lane = threadIdx.x % 32;
   const int32_t* value = values_of(gathered, k, r);
   const int32_t* index = indices_of(gathered, k, r);
   int32_t* start = starts + (tiles + 1) * r;
-  const int64_t m = picks[r], first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
+  const int64_t warp_first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) - lane,
                 stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t j = first; j < k; j += stride) {
-    if (j >= m) {
-      CUDA_KERNEL_ASSERT_MSG(__int_as_float(value[j]) == 0.0f,
-                             "TopK: a piece's slot after its picks holds a value (picks come in ascending index "
-                             "order, then unused slots of value 0)");
-      continue;
+  for (int64_t base = warp_first; base < k; base += stride) {  // the warp's lanes loop together
+    const int64_t j = base + lane;
+    bool last = false;
+    int64_t tile = 0;
+    if (j < k) {
+      const int32_t i = index[j];
+      const bool pick = j == 0 || i != 0;
+      if (pick) {
+        CUDA_KERNEL_ASSERT_MSG(i >= 0 && i < numel, "TopK: a piece's index lies outside the bucket");
+        CUDA_KERNEL_ASSERT_MSG(j == 0 || (index[j - 1] != 0 || j == 1) && i > index[j - 1],
+                               "TopK: a piece's picks are out of order (picks come in ascending index order, "
+                               "then unused slots: value 0 at index 0)");
+        tile = tile_of(i, tiles);
+        if (j > 0) {
+          for (int64_t t = min(tile_of(index[j - 1], tiles), tile) + 1; t <= tile; ++t) start[t] = static_cast<int32_t>(j);
+        }
+        last = j == k - 1 || index[j + 1] == 0;
+      } else {
+        CUDA_KERNEL_ASSERT_MSG(__int_as_float(value[j]) == 0.0f,
+                               "TopK: a piece's unused slot (index 0 after slot 0) holds a value");
+      }
     }
-    CUDA_KERNEL_ASSERT_MSG(index[j] >= 0 && index[j] < numel, "TopK: a piece's index lies outside the bucket");
-    if (j == 0) continue;  // the tiles up to the first pick's: below
-    const int64_t tile = tile_of(index[j], tiles);
-    for (int64_t t = min(tile_of(index[j - 1], tiles), tile) + 1; t <= tile; ++t) start[t] = static_cast<int32_t>(j);
+    if (base == 0) fill_by_warp(start, 0, __shfl_sync(kFull, tile, 0) + 1, 0, lane);  // up to pick 0's tile
+    uint32_t ends = __ballot_sync(kFull, last);
+    while (ends != 0) {  // the tiles after the last pick's
+      const int holder = __ffs(ends) - 1;
+      ends &= ends - 1;
+      fill_by_warp(start, __shfl_sync(kFull, tile, holder) + 1, tiles + 1,
+                   static_cast<int32_t>(base + holder + 1), lane);
+    }
   }
-  // The ends, which one pick would otherwise write alone (a piece of one pick: every tile)
-  const int64_t head = tile_of(index[0], tiles), tail = tile_of(index[m - 1], tiles);
-  for (int64_t t = first; t <= head; t += stride) start[t] = 0;
-  for (int64_t t = tail + 1 + first; t <= tiles; t += stride) start[t] = static_cast<int32_t>(m);
 }
 
 // One tile: the ranks' sums in shared memory (rank by rank, as index_add_ a rank at a time would
@@ -118,6 +130,7 @@ __global__ void __launch_bounds__(kThreads) place_kernel(const int32_t* gathered
   float* sums = reinterpret_cast<float*>(sums4);
   const int64_t t = blockIdx.x, lo = t * kTile, size = min(kTile, numel - lo);
   for (int i = threadIdx.x; i < kTile / 4; i += kThreads) sums4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  dependent::wait_for_prior_grid();  // the starts are bounds_kernel's
   for (int r0 = 0; r0 < ranks; r0 += kRanksAhead) {
     // Every rank's first entry of this thread is loaded before any is added: one round trip.
     int32_t from[kRanksAhead], to[kRanksAhead], at[kRanksAhead];
@@ -171,24 +184,18 @@ void top_k_place_cuda_(const at::Tensor& gathered, const at::Tensor& out, int64_
   const int64_t numel = out.numel(), k = gathered.numel() / (2 * ranks), tiles = (numel + kTile - 1) / kTile;
   TORCH_CHECK(k < (int64_t{1} << 31) && ranks <= 65535, "TopK: pieces of ", std::to_string(k), " slots from ",
               std::to_string(ranks), " ranks are more than the CUDA pass indexes (2^31 - 1 slots, 65535 ranks)");
-  at::Tensor picks = at::full({ranks}, k, gathered.options());
   at::Tensor starts = at::empty({ranks * (tiles + 1)}, gathered.options());
   const int32_t* pieces = gathered.const_data_ptr<int32_t>();
   const dim3 grid(static_cast<unsigned int>(std::min<int64_t>((k + 4 * kThreads - 1) / (4 * kThreads), 1024)),
                   static_cast<unsigned int>(ranks));
-  if (k > 1) {
-    picks_kernel<<<grid, kThreads, 0, stream>>>(pieces, k, picks.mutable_data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  bounds_kernel<<<grid, kThreads, 0, stream>>>(pieces, k, picks.const_data_ptr<int32_t>(), numel, tiles,
-                                               starts.mutable_data_ptr<int32_t>());
+  bounds_kernel<<<grid, kThreads, 0, stream>>>(pieces, k, numel, tiles, starts.mutable_data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const quant::Divisor divisor = quant::Divisor::of(ranks);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "top_k_place", [&] {
-    place_kernel<scalar_t><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(
-        pieces, k, static_cast<int>(ranks), starts.const_data_ptr<int32_t>(), tiles, out.mutable_data_ptr<scalar_t>(),
-        numel, divisor);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    constexpr auto kernel = place_kernel<scalar_t>;
+    dependent::launch(dependent::supported<kernel>(out.get_device()), kernel, dim3(static_cast<unsigned int>(tiles)),
+                      dim3(kThreads), 0, stream, pieces, k, static_cast<int>(ranks), starts.const_data_ptr<int32_t>(),
+                      tiles, out.mutable_data_ptr<scalar_t>(), numel, divisor);
   });
 }
 
