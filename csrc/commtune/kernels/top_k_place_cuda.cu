@@ -29,10 +29,11 @@ namespace commtune {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
 constexpr int kTileShift = 12;
 constexpr int64_t kTile = int64_t{1} << kTileShift;  // entries a block: 16 KB of float sums
 constexpr int kRanksAhead = 8;  // ranks whose entries a block loads before it adds the first
+constexpr int kSlotsAhead = 8;  // slots of a piece a lane of bounds_kernel loads at once
 
 // The sum and the mean rounded as the CPU rounds them, subnormals kept: the build's
 // --use_fast_math flushes them in a + b, __fadd_rn and the like (.ftz).
@@ -76,7 +77,8 @@ __device__ __forceinline__ void fill_by_warp(int32_t* starts, int64_t from, int6
 // j >= 1 starts the tiles after pick j - 1's up to its own; the tiles up to pick 0's start at 0,
 // and those after the last pick's at the count of picks. Every entry is written once. A slot j >=
 // 1 at index 0 is unused (a pick after slot 0 has a larger index); checked here: it holds 0, and
-// no pick follows it.
+// no pick follows it. A warp takes kSlotsAhead x 32 consecutive slots, their indices loaded at
+// once (a neighbour's index comes from the next lane).
 __global__ void __launch_bounds__(kThreads) bounds_kernel(const int32_t* gathered, int64_t k, int64_t numel,
                                                           int64_t tiles, int32_t* starts) {
   dependent::allow_next_grid();  // the placing blocks may start and clear their sums meanwhile
@@ -84,37 +86,52 @@ __global__ void __launch_bounds__(kThreads) bounds_kernel(const int32_t* gathere
   const int32_t* value = values_of(gathered, k, r);
   const int32_t* index = indices_of(gathered, k, r);
   int32_t* start = starts + (tiles + 1) * r;
-  const int64_t warp_first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) - lane,
-                stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t base = warp_first; base < k; base += stride) {  // the warp's lanes loop together
-    const int64_t j = base + lane;
+  const int64_t first = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32) * 32 * kSlotsAhead;
+  if (first >= k) return;  // the whole warp
+  int32_t at[kSlotsAhead];
+#pragma unroll
+  for (int u = 0; u < kSlotsAhead; ++u) {
+    const int64_t j = first + 32 * u + lane;
+    at[u] = j < k ? index[j] : 0;
+  }
+  // the slots either side of the warp's
+  const int32_t before = lane == 0 && first > 0 ? index[first - 1] : 0;
+  const int64_t end = first + 32 * kSlotsAhead;
+  const int32_t after = lane == 31 && end < k ? index[end] : 0;
+#pragma unroll
+  for (int u = 0; u < kSlotsAhead; ++u) {
+    const int64_t j = first + 32 * u + lane;
+    const int32_t i = at[u];
+    int32_t previous = __shfl_up_sync(kFull, i, 1), next = __shfl_down_sync(kFull, i, 1);
+    const int32_t row_before = __shfl_sync(kFull, at[u > 0 ? u - 1 : 0], 31);  // (u is known: unrolled)
+    const int32_t row_after = __shfl_sync(kFull, at[u + 1 < kSlotsAhead ? u + 1 : u], 0);
+    if (lane == 0) previous = u > 0 ? row_before : before;
+    if (lane == 31) next = u + 1 < kSlotsAhead ? row_after : after;
     bool last = false;
     int64_t tile = 0;
     if (j < k) {
-      const int32_t i = index[j];
-      const bool pick = j == 0 || i != 0;
-      if (pick) {
+      if (j == 0 || i != 0) {  // a pick
         CUDA_KERNEL_ASSERT_MSG(i >= 0 && i < numel, "TopK: a piece's index lies outside the bucket");
-        CUDA_KERNEL_ASSERT_MSG(j == 0 || (index[j - 1] != 0 || j == 1) && i > index[j - 1],
+        CUDA_KERNEL_ASSERT_MSG(j == 0 || (previous != 0 || j == 1) && i > previous,
                                "TopK: a piece's picks are out of order (picks come in ascending index order, "
                                "then unused slots: value 0 at index 0)");
         tile = tile_of(i, tiles);
         if (j > 0) {
-          for (int64_t t = min(tile_of(index[j - 1], tiles), tile) + 1; t <= tile; ++t) start[t] = static_cast<int32_t>(j);
+          for (int64_t t = min(tile_of(previous, tiles), tile) + 1; t <= tile; ++t) start[t] = static_cast<int32_t>(j);
         }
-        last = j == k - 1 || index[j + 1] == 0;
+        last = j == k - 1 || next == 0;
       } else {
         CUDA_KERNEL_ASSERT_MSG(__int_as_float(value[j]) == 0.0f,
                                "TopK: a piece's unused slot (index 0 after slot 0) holds a value");
       }
     }
-    if (base == 0) fill_by_warp(start, 0, __shfl_sync(kFull, tile, 0) + 1, 0, lane);  // up to pick 0's tile
+    if (j - lane == 0) fill_by_warp(start, 0, __shfl_sync(kFull, tile, 0) + 1, 0, lane);  // up to pick 0's tile
     uint32_t ends = __ballot_sync(kFull, last);
     while (ends != 0) {  // the tiles after the last pick's
       const int holder = __ffs(ends) - 1;
       ends &= ends - 1;
       fill_by_warp(start, __shfl_sync(kFull, tile, holder) + 1, tiles + 1,
-                   static_cast<int32_t>(base + holder + 1), lane);
+                   static_cast<int32_t>(j - lane + holder + 1), lane);
     }
   }
 }
@@ -186,7 +203,7 @@ void top_k_place_cuda_(const at::Tensor& gathered, const at::Tensor& out, int64_
               std::to_string(ranks), " ranks are more than the CUDA pass indexes (2^31 - 1 slots, 65535 ranks)");
   at::Tensor starts = at::empty({ranks * (tiles + 1)}, gathered.options());
   const int32_t* pieces = gathered.const_data_ptr<int32_t>();
-  const dim3 grid(static_cast<unsigned int>(std::min<int64_t>((k + 4 * kThreads - 1) / (4 * kThreads), 1024)),
+  const dim3 grid(static_cast<unsigned int>((k + kSlotsAhead * kThreads - 1) / (kSlotsAhead * kThreads)),
                   static_cast<unsigned int>(ranks));
   bounds_kernel<<<grid, kThreads, 0, stream>>>(pieces, k, numel, tiles, starts.mutable_data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
