@@ -29,7 +29,7 @@ namespace commtune {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kThreads = 128;
+constexpr int kThreads = 64;
 constexpr int kTileShift = 12;
 constexpr int64_t kTile = int64_t{1} << kTileShift;  // entries a block: 16 KB of float sums
 constexpr int kRanksAhead = 8;  // ranks whose entries a block loads before it adds the first
