@@ -34,6 +34,7 @@ constexpr int kTileShift = 12;
 constexpr int64_t kTile = int64_t{1} << kTileShift;  // entries a block: 16 KB of float sums
 constexpr int kRanksAhead = 8;  // ranks whose entries a block loads before it adds the first
 constexpr int kSlotsAhead = 8;  // slots of a piece a lane of bounds_kernel loads at once
+constexpr int kBoundsThreads = 64;
 
 // The sum and the mean rounded as the CPU rounds them, subnormals kept: the build's
 // --use_fast_math flushes them in a + b, __fadd_rn and the like (.ftz).
@@ -79,14 +80,14 @@ __device__ __forceinline__ void fill_by_warp(int32_t* starts, int64_t from, int6
 // 1 at index 0 is unused (a pick after slot 0 has a larger index); checked here: it holds 0, and
 // no pick follows it. A warp takes kSlotsAhead x 32 consecutive slots, their indices loaded at
 // once (a neighbour's index comes from the next lane).
-__global__ void __launch_bounds__(kThreads) bounds_kernel(const int32_t* gathered, int64_t k, int64_t numel,
+__global__ void __launch_bounds__(kBoundsThreads) bounds_kernel(const int32_t* gathered, int64_t k, int64_t numel,
                                                           int64_t tiles, int32_t* starts) {
   dependent::allow_next_grid();  // the placing blocks may start and clear their sums meanwhile
   const int r = static_cast<int>(blockIdx.y), lane = threadIdx.x % 32;
   const int32_t* value = values_of(gathered, k, r);
   const int32_t* index = indices_of(gathered, k, r);
   int32_t* start = starts + (tiles + 1) * r;
-  const int64_t first = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32) * 32 * kSlotsAhead;
+  const int64_t first = ((static_cast<int64_t>(blockIdx.x) * kBoundsThreads + threadIdx.x) / 32) * 32 * kSlotsAhead;
   if (first >= k) return;  // the whole warp
   int32_t at[kSlotsAhead];
 #pragma unroll
@@ -203,9 +204,9 @@ void top_k_place_cuda_(const at::Tensor& gathered, const at::Tensor& out, int64_
               std::to_string(ranks), " ranks are more than the CUDA pass indexes (2^31 - 1 slots, 65535 ranks)");
   at::Tensor starts = at::empty({ranks * (tiles + 1)}, gathered.options());
   const int32_t* pieces = gathered.const_data_ptr<int32_t>();
-  const dim3 grid(static_cast<unsigned int>((k + kSlotsAhead * kThreads - 1) / (kSlotsAhead * kThreads)),
+  const dim3 grid(static_cast<unsigned int>((k + kSlotsAhead * kBoundsThreads - 1) / (kSlotsAhead * kBoundsThreads)),
                   static_cast<unsigned int>(ranks));
-  bounds_kernel<<<grid, kThreads, 0, stream>>>(pieces, k, numel, tiles, starts.mutable_data_ptr<int32_t>());
+  bounds_kernel<<<grid, kBoundsThreads, 0, stream>>>(pieces, k, numel, tiles, starts.mutable_data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const quant::Divisor divisor = quant::Divisor::of(ranks);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "top_k_place", [&] {
