@@ -83,7 +83,7 @@ void top_k_place_(const at::Tensor& gathered, const at::Tensor& out, int64_t ran
   TORCH_CHECK(ranks >= 1, "TopK: ranks must be at least 1, got ", std::to_string(ranks));
   TORCH_CHECK(gathered.scalar_type() == at::kInt && gathered.dim() == 1 && gathered.is_contiguous() &&
                   gathered.numel() > 0 && gathered.numel() % (2 * ranks) == 0,
-              "TopK: the gathered pieces must be a contiguous 1-D int32 tensor of ranks x 2k entries (", 
+              "TopK: the gathered pieces must be a contiguous 1-D int32 tensor of ranks x 2k entries (",
               std::to_string(ranks), " ranks), got ", gathered.scalar_type(), " ", shape_of(gathered));
   check_same_device(out, gathered, "TopK", "the gathered pieces");
 #ifdef COMMTUNE_WITH_CUDA
