@@ -1,9 +1,12 @@
 """TopK's decompression (top_k_place_, kernels/top_k.h) against the steps it replaced in ATen ops:
 a float32 zero bucket, each rank's picks added with index_add_ rank after rank, the sum divided by
 the ranks and rounded once to the bucket's dtype. The CUDA pass cuts the bucket into tiles of 4096
-entries, one a block, and reads a rank's entries of a tile as one stretch of its piece: the pieces
-below put picks on tile edges, many ranks on one entry, more of one rank's picks in a tile than a
-block has threads, pieces with unused slots and without, and a bucket off a 16-byte boundary."""
+entries; a block (one warp) takes a run of tiles and walks each rank's piece forward through them,
+64 slots at a time, 8 ranks at once; a search of the pieces finds where each block's walks begin
+and end. The pieces below put picks on tile edges, many ranks on one entry, more of one rank's
+picks in a tile than a walk loads at once, pieces with unused slots and without, more ranks than
+a block walks at once, buckets of more tiles than the GPU runs blocks, and a bucket off a 16-byte
+boundary."""
 import subprocess
 import sys
 
@@ -66,7 +69,7 @@ def place(gathered, numel, ranks, dtype, device, offset=0):
     return out.cpu()
 
 
-# (numel, k, how full each rank's piece is): 1%; unused slots in some pieces; 40% (over 256 picks
+# (numel, k, how full each rank's piece is): 1%; unused slots in some pieces; 40% (over 1600 picks
 # of a rank in a tile); a bucket shorter than a tile; a last tile of one entry; k = 1
 CASES = [(100_000, 1_000, [1.0]), (70_001, 700, [0.9, 1.0, 0.5]), (3 * TILE, 5_000, [1.0]), (1_000, 300, [1.0, 0.2]),
          (2 * TILE + 1, 40, [1.0]), (50_000, 1, [1.0])]
@@ -74,7 +77,7 @@ CASES = [(100_000, 1_000, [1.0]), (70_001, 700, [0.9, 1.0, 0.5]), (3 * TILE, 5_0
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8, 11])
 @pytest.mark.parametrize("case", CASES)
 def test_place_is_the_mean_of_the_ranks_picks(device, dtype, ranks, case):
     numel, k, fill = case
@@ -82,6 +85,20 @@ def test_place_is_the_mean_of_the_ranks_picks(device, dtype, ranks, case):
     got = place(gathered, numel, ranks, dtype, device)
     torch.testing.assert_close(got, reference(gathered, numel, ranks, dtype), rtol=0, atol=0)
     assert int((got != 0).sum()) <= ranks * k
+
+
+@needs_cuda
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("ranks, ratio, fill", [(3, 0.01, [1.0]), (9, 0.01, [1.0, 0.4]), (9, 0.03, [0.6])])
+def test_a_bucket_of_more_tiles_than_the_gpu_runs_blocks(ranks, ratio, fill):
+    # At most 14 blocks an SM fit (16 KB of sums each), so each block here walks three tiles or
+    # more: its walks carry on from tile to tile, the next tile's slots load while one is written.
+    # 9 ranks: more than a block walks at once (8); 3%: more of a rank's picks in a tile than a
+    # walk loads at once (64); 40% and 60% full pieces: a tail of unused slots across all blocks.
+    numel = 3 * 14 * torch.cuda.get_device_properties(0).multi_processor_count * TILE + 123
+    gathered = gathered_pieces(numel, int(ratio * numel), ranks, fill, seed=ranks)
+    got = place(gathered, numel, ranks, torch.float32, "cuda")
+    torch.testing.assert_close(got, reference(gathered, numel, ranks, torch.float32), rtol=0, atol=0)
 
 
 def selected_pieces(device, numel, k, ranks, selection):
@@ -188,23 +205,36 @@ def test_refusals_name_the_argument(call):
 
 
 BAD_PIECE_ON_CUDA = """
+import sys
 import torch
 from commtune import _C
-k, numel = 8, 100
-piece = torch.zeros(2 * k, dtype=torch.int32)
-piece[:k] = torch.ones(k).view(torch.int32)
-piece[k:] = torch.arange(k, dtype=torch.int32) * 20  # 140 is past the bucket's 100 entries
+k, numel, ranks, kind = 8, 100_000, int(sys.argv[1]), sys.argv[2]
+good = torch.zeros(2 * k, dtype=torch.int32)
+good[:k] = torch.ones(k).view(torch.int32)
+good[k:] = torch.arange(k, dtype=torch.int32) * 9_000  # one pick in every other tile or so
+piece = good.clone()
+if kind == "outside":
+    piece[-1] = numel  # the last pick (indices ascend up to it) past the bucket's end
+elif kind == "out of order":
+    piece[k + 3], piece[k + 4] = good[k + 4].item(), good[k + 3].item()
+else:  # an unused slot (index 0 after slot 0) holding a value
+    piece[-1] = 0
+pieces = torch.cat([good] * (ranks - 1) + [piece])  # the last rank's piece is the bad one
 out = torch.zeros(numel, device="cuda")
-_C.top_k_place_(piece.cuda(), out, 1)
+_C.top_k_place_(pieces.cuda(), out, ranks)
 torch.cuda.synchronize()
+print("no assertion")
 """
 
 
 @needs_cuda
 @pytest.mark.needs_cuda
-def test_a_bad_piece_on_cuda_stops_with_a_device_assertion():
+@pytest.mark.parametrize("ranks", [1, 10])  # 10: the bad piece in the second group a block walks
+@pytest.mark.parametrize("kind", ["outside", "out of order", "unused slot"])
+def test_a_bad_piece_on_cuda_stops_with_a_device_assertion(ranks, kind):
     # A kernel cannot raise: it asserts, and the next synchronizing call fails (in a process of
     # its own: an assertion leaves the CUDA context unusable).
-    run = subprocess.run([sys.executable, "-c", BAD_PIECE_ON_CUDA], capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert "device-side assert" in run.stderr or "outside the bucket" in run.stderr + run.stdout, run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", BAD_PIECE_ON_CUDA, str(ranks), kind], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and "no assertion" not in run.stdout
+    assert "device-side assert" in run.stderr or kind in run.stderr + run.stdout, run.stderr[-2000:]
