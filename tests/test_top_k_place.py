@@ -1,12 +1,11 @@
 """TopK's decompression (top_k_place_, kernels/top_k.h) against the steps it replaced in ATen ops:
 a float32 zero bucket, each rank's picks added with index_add_ rank after rank, the sum divided by
 the ranks and rounded once to the bucket's dtype. The CUDA pass cuts the bucket into tiles of 4096
-entries; a block (one warp) takes a run of tiles and walks each rank's piece forward through them,
-64 slots at a time, 8 ranks at once; a search of the pieces finds where each block's walks begin
-and end. The pieces below put picks on tile edges, many ranks on one entry, more of one rank's
-picks in a tile than a walk loads at once, pieces with unused slots and without, more ranks than
-a block walks at once, buckets of more tiles than the GPU runs blocks, and a bucket off a 16-byte
-boundary."""
+entries, one a block, and reads a rank's entries of a tile as one stretch of its piece, loading 8
+ranks' stretches at once: the pieces below put picks on tile edges, many ranks on one entry, more
+of one rank's picks in a tile than a block has threads, pieces with unused slots and without, more
+ranks than a block loads at once, a bucket of more tiles than the GPU runs blocks at once, and a
+bucket off a 16-byte boundary."""
 import subprocess
 import sys
 
@@ -91,10 +90,9 @@ def test_place_is_the_mean_of_the_ranks_picks(device, dtype, ranks, case):
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("ranks, ratio, fill", [(3, 0.01, [1.0]), (9, 0.01, [1.0, 0.4]), (9, 0.03, [0.6])])
 def test_a_bucket_of_more_tiles_than_the_gpu_runs_blocks(ranks, ratio, fill):
-    # At most 14 blocks an SM fit (16 KB of sums each), so each block here walks three tiles or
-    # more: its walks carry on from tile to tile, the next tile's slots load while one is written.
-    # 9 ranks: more than a block walks at once (8); 3%: more of a rank's picks in a tile than a
-    # walk loads at once (64); 40% and 60% full pieces: a tail of unused slots across all blocks.
+    # At most 14 blocks an SM fit (16 KB of sums each): here the blocks come in three waves or more.
+    # 9 ranks: more than a block loads at once (8); 3%: more of a rank's picks in a tile than a
+    # block has threads (64); 40% and 60% full pieces: unused slots across many of bounds_kernel's blocks.
     numel = 3 * 14 * torch.cuda.get_device_properties(0).multi_processor_count * TILE + 123
     gathered = gathered_pieces(numel, int(ratio * numel), ranks, fill, seed=ranks)
     got = place(gathered, numel, ranks, torch.float32, "cuda")
@@ -229,7 +227,7 @@ print("no assertion")
 
 @needs_cuda
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("ranks", [1, 10])  # 10: the bad piece in the second group a block walks
+@pytest.mark.parametrize("ranks", [1, 10])  # 10: the bad piece past the first 8 ranks a block loads
 @pytest.mark.parametrize("kind", ["outside", "out of order", "unused slot"])
 def test_a_bad_piece_on_cuda_stops_with_a_device_assertion(ranks, kind):
     # A kernel cannot raise: it asserts, and the next synchronizing call fails (in a process of
