@@ -227,7 +227,7 @@ print("no assertion")
 
 @needs_cuda
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("ranks", [1, 10])  # 10: the bad piece past the first 8 ranks a block loads
+@pytest.mark.parametrize("ranks", [1, 10])  # 10: the bad piece is the tenth rank's
 @pytest.mark.parametrize("kind", ["outside", "out of order", "unused slot"])
 def test_a_bad_piece_on_cuda_stops_with_a_device_assertion(ranks, kind):
     # A kernel cannot raise: it asserts, and the next synchronizing call fails (in a process of
