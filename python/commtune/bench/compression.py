@@ -64,12 +64,12 @@ def sparsifier_passes(numel, ranks, chunk, device, calls=1):
     selections, at ratio 0.01: the threshold one (commtune's kernels: a sampled threshold, then
     one pass), alone and as the hook runs it with error feedback (adding the bucket to the error
     buffer in the same pass, and clearing what it takes, and any Inf or NaN, from that buffer), and
-    the exact one (torch.topk: a radix select, not
-    a sort; not ours, so outside the bar). RandomK's take likewise, with error feedback as the hook
-    runs it and without. The clearing calls without the add (what runs when a buffer is not
-    16-byte aligned: the add then goes first, as a pass of its own) are information rows. TopK's
-    clearing calls get an error buffer of their own for each of their first `calls` calls (then
-    they repeat), so that no timed call sees what an earlier one cleared."""
+    the exact one (torch.topk: a radix select, not a sort; not ours, so outside the bar). RandomK's
+    take likewise, with error feedback as the hook runs it and without. The clearing calls without
+    the add (what runs when a buffer is not 16-byte aligned: the add then goes first, as a pass of
+    its own) are information rows. TopK's clearing calls get an error buffer of their own for each
+    of their first `calls` calls (then they repeat), so that no timed call sees what an earlier one
+    cleared."""
     src = torch.randn(numel, device=device)
     error = torch.zeros_like(src)
     out = torch.empty_like(src)
