@@ -33,7 +33,7 @@ constexpr int kThreads = 64;
 constexpr int kTileShift = 12;
 constexpr int64_t kTile = int64_t{1} << kTileShift;  // entries a block: 16 KB of float sums
 constexpr int kRanksAhead = 8;  // ranks whose entries a block loads before it adds the first
-constexpr int kSlotsAhead = 8;  // slots of a piece a lane of bounds_kernel loads at once
+constexpr int kSlotsALane = 8;  // consecutive slots of a piece a lane of bounds_kernel takes
 constexpr int kBoundsThreads = 64;
 
 // The sum and the mean rounded as the CPU rounds them, subnormals kept: the build's
@@ -63,77 +63,164 @@ __device__ __forceinline__ const int32_t* indices_of(const int32_t* gathered, in
 }
 
 // The tile of an index, clamped so that a bad index (asserted in bounds_kernel) cannot write
-// outside starts.
-__device__ __forceinline__ int64_t tile_of(int32_t index, int64_t tiles) {
-  return min(static_cast<int64_t>(max(index, 0)) >> kTileShift, tiles - 1);
+// outside starts. 32 bits: a bucket has fewer than 2^31 entries.
+__device__ __forceinline__ int32_t tile_of(int32_t index, int32_t last_tile) {
+  return min(max(index, 0) >> kTileShift, last_tile);
 }
+
+// bounds_kernel is bound by the instructions its warps issue, not by its 8 MB: what is rare (fills
+// of more than one tile, pieces' ends, unused slots among picks, failures) is out of line.
 
 // starts[t] = t0 for the tiles [from, to), the warp's lanes sharing the stores (one pick may
 // start or end thousands of tiles: a piece with few picks).
-__device__ __forceinline__ void fill_by_warp(int32_t* starts, int64_t from, int64_t to, int32_t t0, int lane) {
-  for (int64_t t = from + lane; t < to; t += 32) starts[t] = t0;
+__device__ __noinline__ void fill_by_warp(int32_t* starts, int32_t from, int32_t to, int32_t t0, int lane) {
+#pragma unroll 1
+  for (int32_t t = from + lane; t < to; t += 32) starts[t] = t0;
+}
+
+// starts[t] = j for the tiles [from, to] (a pick after a tile without picks of its rank).
+__device__ __noinline__ void fill_by_lane(int32_t* starts, int32_t from, int32_t to, int32_t j) {
+#pragma unroll 1
+  for (int32_t t = from; t <= to; ++t) starts[t] = j;
+}
+
+__device__ __noinline__ void fail(const char* what) {
+  CUDA_KERNEL_ASSERT_MSG(false, what);
+}
+
+// A lane's slots [first, first + kSlotsALane) of a piece, their indices, and those of the slots
+// either side (0 where there is none).
+struct LaneSlots {
+  int64_t first;
+  int32_t at[kSlotsALane];
+  int32_t before, after;
+};
+
+// What a lane's slots showed: a failed check of each kind, and the tiles of pick 0 and of the
+// piece's last pick where the lane holds them (-1 where not).
+struct Findings {
+  bool outside = false, out_of_order = false, holds_a_value = false;
+  int32_t head = -1, tail = -1, picks = 0;  // picks: the piece's count of picks, where tail is found
+};
+
+// The common case: every slot of the lane is a pick after a pick, and a pick follows the last.
+// (start[tile] = j for each pick j that starts a tile: the first of its rank in that tile.)
+__device__ __forceinline__ Findings picks_among_picks(const LaneSlots& s, int32_t numel, int32_t last_tile,
+                                                      int32_t* start) {
+  Findings found;
+  int32_t previous = s.before, previous_tile = tile_of(s.before, last_tile);
+#pragma unroll
+  for (int u = 0; u < kSlotsALane; ++u) {
+    const int32_t i = s.at[u], j = static_cast<int32_t>(s.first) + u, tile = tile_of(i, last_tile);
+    found.outside |= static_cast<uint32_t>(i) >= static_cast<uint32_t>(numel);  // (negative: above 2^31)
+    found.out_of_order |= i <= previous;
+    if (tile > previous_tile) {
+      start[tile] = j;
+      if (tile > previous_tile + 1) fill_by_lane(start, previous_tile + 1, tile - 1, j);
+    }
+    previous = i;
+    previous_tile = tile;
+  }
+  return found;
+}
+
+// Any other lane: slot by slot, the piece contract in full (as top_k.cpp's CPU loop checks it).
+__device__ __noinline__ Findings any_slots(LaneSlots s, int64_t k, int32_t numel, int32_t last_tile,
+                                           const int32_t* value, int32_t* start) {
+  Findings found;
+#pragma unroll 1
+  for (int u = 0; u < kSlotsALane && s.first + u < k; ++u) {
+    const int64_t j = s.first + u;
+    const int32_t i = s.at[u], previous = u > 0 ? s.at[u - 1] : s.before;
+    const int32_t next = u + 1 < kSlotsALane ? s.at[u + 1] : s.after;
+    if (j > 0 && i == 0) {  // an unused slot
+      found.holds_a_value |= __int_as_float(value[j]) != 0.0f;
+      continue;
+    }
+    found.outside |= i < 0 || i >= numel;
+    found.out_of_order |= j > 0 && ((previous == 0 && j > 1) || i <= previous);
+    const int32_t tile = tile_of(i, last_tile);
+    if (j == 0) {
+      found.head = tile;
+    } else {
+      const int32_t from = min(tile_of(previous, last_tile), tile) + 1;
+      if (from <= tile) fill_by_lane(start, from, tile, static_cast<int32_t>(j));
+    }
+    if (j == k - 1 || next == 0) {
+      found.tail = tile;
+      found.picks = static_cast<int32_t>(j + 1);
+    }
+  }
+  return found;
 }
 
 // starts[r][t] = the first pick of rank r in tile t or after it (tiles + 1 of them a rank): pick
 // j >= 1 starts the tiles after pick j - 1's up to its own; the tiles up to pick 0's start at 0,
 // and those after the last pick's at the count of picks. Every entry is written once. A slot j >=
 // 1 at index 0 is unused (a pick after slot 0 has a larger index); checked here: it holds 0, and
-// no pick follows it. A warp takes kSlotsAhead x 32 consecutive slots, their indices loaded at
-// once (a neighbour's index comes from the next lane).
-__global__ void __launch_bounds__(kBoundsThreads) bounds_kernel(const int32_t* gathered, int64_t k, int64_t numel,
-                                                          int64_t tiles, int32_t* starts) {
+// no pick follows it. A lane takes kSlotsALane consecutive slots (16 bytes a load where kVector:
+// k % 4 == 0 and the pieces on a 16-byte boundary); the neighbours of its first and last slots
+// come from the lanes either side. A lane of picks only, or of unused slots only, takes a short
+// path; the checks fold into three flags a lane, asserted once.
+template <bool kVector>
+__global__ void __launch_bounds__(kBoundsThreads, 32) bounds_kernel(const int32_t* gathered, int64_t k, int32_t numel,
+                                                          int32_t tiles, int32_t* starts) {
   dependent::allow_next_grid();  // the placing blocks may start and clear their sums meanwhile
   const int r = static_cast<int>(blockIdx.y), lane = threadIdx.x % 32;
   const int32_t* value = values_of(gathered, k, r);
   const int32_t* index = indices_of(gathered, k, r);
-  int32_t* start = starts + (tiles + 1) * r;
-  const int64_t first = ((static_cast<int64_t>(blockIdx.x) * kBoundsThreads + threadIdx.x) / 32) * 32 * kSlotsAhead;
-  if (first >= k) return;  // the whole warp
-  int32_t at[kSlotsAhead];
+  int32_t* start = starts + static_cast<int64_t>(tiles + 1) * r;
+  const int64_t warp_first = (static_cast<int64_t>(blockIdx.x) * kBoundsThreads + threadIdx.x - lane) * kSlotsALane;
+  if (warp_first >= k) return;  // the whole warp
+  LaneSlots s;
+  s.first = warp_first + static_cast<int64_t>(lane) * kSlotsALane;
 #pragma unroll
-  for (int u = 0; u < kSlotsAhead; ++u) {
-    const int64_t j = first + 32 * u + lane;
-    at[u] = j < k ? index[j] : 0;
+  for (int q = 0; q < kSlotsALane / 4; ++q) {
+    const int64_t j = s.first + 4 * q;
+    if (kVector) {  // 4 slots all in the piece or all past it (k and j are multiples of 4)
+      const int4 v = j < k ? *reinterpret_cast<const int4*>(index + j) : make_int4(0, 0, 0, 0);
+      s.at[4 * q] = v.x, s.at[4 * q + 1] = v.y, s.at[4 * q + 2] = v.z, s.at[4 * q + 3] = v.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.at[4 * q + e] = j + e < k ? index[j + e] : 0;
+    }
   }
-  // the slots either side of the warp's
-  const int32_t before = lane == 0 && first > 0 ? index[first - 1] : 0;
-  const int64_t end = first + 32 * kSlotsAhead;
-  const int32_t after = lane == 31 && end < k ? index[end] : 0;
+  s.before = __shfl_up_sync(kFull, s.at[kSlotsALane - 1], 1);
+  s.after = __shfl_down_sync(kFull, s.at[0], 1);
+  if (lane == 0) s.before = s.first > 0 ? index[s.first - 1] : 0;
+  if (lane == 31) s.after = s.first + kSlotsALane < k ? index[s.first + kSlotsALane] : 0;
+  const int32_t last_tile = tiles - 1;
+  bool picks_only = s.first > 0 && s.first + kSlotsALane < k && s.before != 0 && s.after != 0;
+  bool unused_only = s.first > 0 && s.first + kSlotsALane <= k;
 #pragma unroll
-  for (int u = 0; u < kSlotsAhead; ++u) {
-    const int64_t j = first + 32 * u + lane;
-    const int32_t i = at[u];
-    int32_t previous = __shfl_up_sync(kFull, i, 1), next = __shfl_down_sync(kFull, i, 1);
-    const int32_t row_before = __shfl_sync(kFull, at[u > 0 ? u - 1 : 0], 31);  // (u is known: unrolled)
-    const int32_t row_after = __shfl_sync(kFull, at[u + 1 < kSlotsAhead ? u + 1 : u], 0);
-    if (lane == 0) previous = u > 0 ? row_before : before;
-    if (lane == 31) next = u + 1 < kSlotsAhead ? row_after : after;
-    bool last = false;
-    int64_t tile = 0;
-    if (j < k) {
-      if (j == 0 || i != 0) {  // a pick
-        CUDA_KERNEL_ASSERT_MSG(i >= 0 && i < numel, "TopK: a piece's index lies outside the bucket");
-        CUDA_KERNEL_ASSERT_MSG(j == 0 || (previous != 0 || j == 1) && i > previous,
-                               "TopK: a piece's picks are out of order (picks come in ascending index order, "
-                               "then unused slots: value 0 at index 0)");
-        tile = tile_of(i, tiles);
-        if (j > 0) {
-          for (int64_t t = min(tile_of(previous, tiles), tile) + 1; t <= tile; ++t) start[t] = static_cast<int32_t>(j);
-        }
-        last = j == k - 1 || next == 0;
-      } else {
-        CUDA_KERNEL_ASSERT_MSG(__int_as_float(value[j]) == 0.0f,
-                               "TopK: a piece's unused slot (index 0 after slot 0) holds a value");
-      }
-    }
-    if (j - lane == 0) fill_by_warp(start, 0, __shfl_sync(kFull, tile, 0) + 1, 0, lane);  // up to pick 0's tile
-    uint32_t ends = __ballot_sync(kFull, last);
-    while (ends != 0) {  // the tiles after the last pick's
-      const int holder = __ffs(ends) - 1;
-      ends &= ends - 1;
-      fill_by_warp(start, __shfl_sync(kFull, tile, holder) + 1, tiles + 1,
-                   static_cast<int32_t>(j - lane + holder + 1), lane);
-    }
+  for (int u = 0; u < kSlotsALane; ++u) {
+    picks_only &= s.at[u] != 0;
+    unused_only &= s.at[u] == 0;
+  }
+  Findings found;
+  if (picks_only) {
+    found = picks_among_picks(s, numel, last_tile, start);
+  } else if (unused_only) {
+#pragma unroll
+    for (int u = 0; u < kSlotsALane; ++u) found.holds_a_value |= __int_as_float(value[s.first + u]) != 0.0f;
+  } else if (s.first < k) {
+    found = any_slots(s, k, numel, last_tile, value, start);
+  }
+  if (found.outside) fail("TopK: a piece's index lies outside the bucket");
+  if (found.out_of_order) {
+    fail("TopK: a piece's picks are out of order (picks come in ascending index order, then unused slots: value 0 "
+         "at index 0)");
+  }
+  if (found.holds_a_value) fail("TopK: a piece's unused slot (index 0 after slot 0) holds a value");
+  // The tiles up to pick 0's start at 0; those after the last pick's at the count of picks.
+  uint32_t ends = __ballot_sync(kFull, found.head >= 0 || found.tail >= 0);
+  while (ends != 0) {
+    const int holder = __ffs(ends) - 1;
+    ends &= ends - 1;
+    const int32_t head = __shfl_sync(kFull, found.head, holder), tail = __shfl_sync(kFull, found.tail, holder);
+    const int32_t picks = __shfl_sync(kFull, found.picks, holder);
+    if (head >= 0) fill_by_warp(start, 0, head + 1, 0, lane);
+    if (tail >= 0) fill_by_warp(start, tail + 1, tiles + 1, picks, lane);
   }
 }
 
@@ -204,9 +291,11 @@ void top_k_place_cuda_(const at::Tensor& gathered, const at::Tensor& out, int64_
               std::to_string(ranks), " ranks are more than the CUDA pass indexes (2^31 - 1 slots, 65535 ranks)");
   at::Tensor starts = at::empty({ranks * (tiles + 1)}, gathered.options());
   const int32_t* pieces = gathered.const_data_ptr<int32_t>();
-  const dim3 grid(static_cast<unsigned int>((k + kSlotsAhead * kBoundsThreads - 1) / (kSlotsAhead * kBoundsThreads)),
+  const dim3 grid(static_cast<unsigned int>((k + kSlotsALane * kBoundsThreads - 1) / (kSlotsALane * kBoundsThreads)),
                   static_cast<unsigned int>(ranks));
-  bounds_kernel<<<grid, kBoundsThreads, 0, stream>>>(pieces, k, numel, tiles, starts.mutable_data_ptr<int32_t>());
+  const bool vector = k % 4 == 0 && reinterpret_cast<uintptr_t>(pieces) % 16 == 0;
+  (vector ? bounds_kernel<true> : bounds_kernel<false>)<<<grid, kBoundsThreads, 0, stream>>>(
+      pieces, k, static_cast<int32_t>(numel), static_cast<int32_t>(tiles), starts.mutable_data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const quant::Divisor divisor = quant::Divisor::of(ranks);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "top_k_place", [&] {
