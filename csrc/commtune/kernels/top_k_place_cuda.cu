@@ -68,8 +68,9 @@ __device__ __forceinline__ int32_t tile_of(int32_t index, int32_t last_tile) {
   return min(max(index, 0) >> kTileShift, last_tile);
 }
 
-// bounds_kernel is bound by the instructions its warps issue, not by its 8 MB: what is rare (fills
-// of more than one tile, pieces' ends, unused slots among picks, failures) is out of line.
+// bounds_kernel's time went to the instructions its warps issue more than to its 8 MB (~120 a slot
+// once, ~10 now on the common path): what is rare (fills of more than one tile, pieces' ends,
+// unused slots among picks, failures) is out of line.
 
 // starts[t] = t0 for the tiles [from, to), the warp's lanes sharing the stores (one pick may
 // start or end thousands of tiles: a piece with few picks).
