@@ -34,6 +34,7 @@ constexpr int kTileShift = 12;
 constexpr int64_t kTile = int64_t{1} << kTileShift;  // entries a block: 16 KB of float sums
 constexpr int kRanksAhead = 8;  // ranks whose entries a block loads before it adds the first
 constexpr int kSlotsALane = 8;  // consecutive slots of a piece a lane of bounds_kernel takes
+static_assert(kSlotsALane % 4 == 0, "bounds_kernel loads a lane's slots 4 at a time");
 constexpr int kBoundsThreads = 64;
 
 // The sum and the mean rounded as the CPU rounds them, subnormals kept: the build's
